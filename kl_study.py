@@ -1,0 +1,77 @@
+"""Which KL estimator in the GRPO loss actually holds the policy near the reference? A grid of short grpo.py runs.
+
+For each --kl_estimator (k1..k4, see grpo.kl_penalty) and each beta, train from the same SFT model and read back the
+KL reached (`objective/kl`, always the k3 estimate of KL(pi_theta || pi_ref) per token, whatever was optimised, averaged
+over the last few logged steps because one batch's estimate is noisy) and the final greedy eval accuracy. Expected
+(open-instruct issue #534): with k2, k3 and k4 the KL falls as beta grows; k1's gradient is zero in expectation, so
+k1 in the loss does not control the KL. beta = 0 has no KL term, so it is run once and shared by every estimator.
+
+    python kl_study.py                                        # from runs/sft (what `python sft.py` writes)
+    python kl_study.py --model runs/sft --betas 0 0.1 0.3 --total_episodes 20480
+    python kl_study.py --grpo_args "--lr 3e-5 --num_minibatches 2"   # any other grpo.py flags, for every run
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import tyro
+
+
+@dataclass
+class Args:
+    model: str = "runs/sft"
+    """policy (and reference) every run starts from"""
+    out_dir: str = "runs/kl_study"
+    """one grpo.py run directory per (estimator, beta) below this; a finished run is reused, not repeated"""
+    estimators: tuple[str, ...] = ("k1", "k2", "k3", "k4")
+    """KL estimators to compare"""
+    betas: tuple[float, ...] = (0.0, 0.03, 0.1)
+    """KL coefficients to compare"""
+    total_episodes: int = 25600
+    """episodes per run (100 steps of 256)"""
+    last: int = 10
+    """final KL = mean of objective/kl over this many last logged steps"""
+    grpo_args: str = ""
+    """extra grpo.py flags for every run, as one string"""
+
+
+def summarize(run_dir: str, last: int) -> dict:
+    """Final KL (mean of the last logged steps), scores and the last eval accuracy of one run's metrics.jsonl."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train = [r for r in rows if "objective/kl" in r][-last:]
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    mean = lambda k: sum(r[k] for r in train) / len(train)  # noqa: E731
+    return dict(kl=mean("objective/kl"), scores=mean("objective/scores"), acc0=evals[0], acc=evals[-1])
+
+
+def main(args: Args):
+    results = {}
+    for beta in args.betas:
+        for est in args.estimators if beta > 0 else ["any"]:
+            run_dir = os.path.join(args.out_dir, f"{est}_beta{beta:g}")
+            if not os.path.isfile(os.path.join(run_dir, "model.safetensors")):  # finished runs are reused
+                cmd = [sys.executable, "grpo.py", "--model", args.model, "--out_dir", run_dir, "--beta", str(beta),
+                       "--kl_estimator", "k3" if est == "any" else est, "--total_episodes", str(args.total_episodes),
+                       "--eval_every", "1000000", "--log_every", "1", *shlex.split(args.grpo_args)]  # fmt: skip
+                print(" ".join(cmd[1:]), flush=True)
+                if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+                    os.remove(os.path.join(run_dir, "metrics.jsonl"))  # an interrupted run starts over
+                p = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+                if p.returncode != 0:
+                    sys.exit(f"error: run {run_dir} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+            results[est, beta] = summarize(run_dir, args.last)
+
+    print(f"\nfinal objective/kl (k3 per token, mean of the last {args.last} steps) and greedy eval accuracy "
+          f"(start {next(iter(results.values()))['acc0']:.3f})\n")  # fmt: skip
+    print("| estimator | beta | objective/kl | objective/scores | eval/accuracy |")
+    print("|---|---|---|---|---|")
+    for (est, beta), r in results.items():
+        print(f"| {est} | {beta:g} | {r['kl']:.4f} | {r['scores']:.3f} | {r['acc']:.3f} |")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
