@@ -16,7 +16,8 @@ What the field learned since, as flags:
   responses. Both divide by GLOBAL counts, so 1 rank and N ranks compute the same update.
 - `--no-scale_rewards_by_std` is Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no division by the group std, which
   over-weights near-unanimous groups. `--batch_norm_advantages` whitens the advantages once more over the global batch.
-- `--missing_eos_penalty`: subtract this from the score of a response that never emitted the stop token.
+- `--missing_eos_penalty`: subtract this from the score of a response that never emitted the stop token (TRL's
+  meaning; ppo.py's `--penalty_reward_value` instead replaces the score, as lm-human-preferences does).
 Deviations: sampling uses the full tempered distribution (no top-k/top-p), so the logprobs in the loss are exactly
 those of the sampler; each PPO minibatch takes an equal share of every group (so minibatches are the same on any
 number of ranks); a group of G=1 has no baseline and is refused.
@@ -610,7 +611,7 @@ def main(args: Args):
                 "objective/kl": (roll[2] / roll[1]).item(),
                 "objective/entropy": (roll[3] / roll[1]).item(),
                 "objective/response_length": roll[1].item() / batch_size,
-                "objective/stop_frac": roll[4].item() / batch_size,
+                "val/stop_frac": roll[4].item() / batch_size,
                 "objective/zero_std_frac": roll[5].item() / args.num_prompts_per_step,
                 "policy/approxkl_avg": (upd[3] / upd[0]).item(),
                 "policy/clipfrac_avg": (upd[4] / upd[0]).item(),

@@ -8,7 +8,7 @@ model. Each update:
 
   1. generate one response per prompt with the KV cache (temperature T; logits / T in training too, so the
      probabilities PPO optimises are the ones it samples from); tokens after the first stop token are padding
-  2. score with the reward model at the last real token; a response that never stops gets --missing_eos_penalty
+  2. score with the reward model at the last real token; a response that never stops gets --penalty_reward_value
   3. reward per token r_t = -kl_coef * (logprob_t - ref_logprob_t), plus the score at the last real token (Ziegler
      eq. 2); kl_coef fixed or adapted to --target_kl (Ziegler section 2.2) from the global mean KL
   4. GAE advantages (gamma = 1, lam = 0.95), whitened over the real tokens of the whole global batch
@@ -97,8 +97,8 @@ class Args:
     """target KL to the reference, in nats per response (summed over tokens)"""
     kl_horizon: int = 1000
     """adaptive controller horizon, in episodes (lm-human-preferences: 10000, for runs of ~10^5-10^6 episodes)"""
-    missing_eos_penalty: float | None = -1.0
-    """score given to responses without a stop token (None: keep the reward model's score)"""
+    penalty_reward_value: float | None = -1.0
+    """score that REPLACES the reward of responses without a stop token (lm-human-preferences); None keeps the RM's"""
     gamma: float = 1.0
     """discount"""
     lam: float = 0.95
@@ -514,7 +514,7 @@ def ppo_eval(policy, reward_model, args, meta, prompts, rank, world_size, device
         with ctx:
             response = gpt2.generate(policy, query, pad, args.response_length, eos, temperature=0.0)
         query_response, attention_mask, _ = sequence_inputs(query, response, pad, eos)
-        scores = score_responses(reward_model, query_response, attention_mask, response, eos, args.missing_eos_penalty, ctx)
+        scores = score_responses(reward_model, query_response, attention_mask, response, eos, args.penalty_reward_value, ctx)
         sums[0] += scores.sum()
         sums[2] += len(j)
         for row, gt in zip(response.tolist() if verifier else [], prompts["ground_truth"][j]):
@@ -637,7 +637,7 @@ def main(args: Args):
                 rollout["ref_logprobs"].append(policy_logprobs(ref_policy, *inputs, args.temperature, ctx)[0])
                 rollout["values"].append(value_forward(fwd_value, *inputs, ctx))
                 rollout["scores"].append(score_responses(reward_model, query_response, attention_mask, response, eos,
-                                                         args.missing_eos_penalty, ctx))  # fmt: skip
+                                                         args.penalty_reward_value, ctx))  # fmt: skip
             b_response, b_logprobs, b_ref_logprobs, b_values, b_scores = (torch.cat(v) for v in rollout.values())
             b_mask = response_mask(b_response, eos)  # (L, Tr) real tokens, the stop token included
 
