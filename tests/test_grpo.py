@@ -5,8 +5,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,61 @@ def test_resume_matches_uninterrupted(tmp_path, sft_model):
     for m in resumed:
         assert m["objective/kl"] > 0 and abs(m["objective/kl"] - full[m["step"]]["objective/kl"]) < 1e-6, m
         assert abs(m["loss/policy_avg"] - full[m["step"]]["loss/policy_avg"]) < 1e-6
+
+
+def start(args, nproc=0):  # a run in the background, to be killed
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
+    return subprocess.Popen(launcher + ["grpo.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(p, done, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and p.poll() is None and not done():
+        time.sleep(0.05)
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, sft_model):
+    """Fault injection: SIGKILL mid-run (no chance to save), then --resume from the last periodic checkpoint."""
+    common = ["--model", sft_model, "--total_episodes", str(32 * 24), "--eval_every", "3", *SMALL]
+    run("grpo.py", ["--out_dir", str(tmp_path / "full"), *common])
+    p = start(["--out_dir", str(out := tmp_path / "killed"), *common])
+    wait_for(p, lambda: (out / "checkpoints" / "step_00000006").exists())
+    p.kill()
+    assert p.wait() == -signal.SIGKILL  # still running when killed: the kill came mid-way
+    run("grpo.py", ["--out_dir", str(out), "--resume", *common])
+    full = {m["step"]: m for m in metrics(tmp_path / "full")}
+    resumed = {m["step"]: m for m in metrics(out)}  # last row per step (steps after the checkpoint are logged twice)
+    assert resumed.keys() == full.keys() and full[24]["objective/kl"] > 0
+    for step, m in full.items():
+        for k in (k for k in m if not k.startswith("perf/")):
+            assert abs(resumed[step][k] - m[k]) < 1e-5, (step, k, resumed[step][k], m[k])
+
+
+def test_a_rank_that_dies_ends_the_whole_torchrun_run(tmp_path, sft_model):
+    """One rank SIGKILLed mid-run: torchrun must end the other rank (blocked in a collective) and exit non-zero, not
+    hang."""
+    p = start(["--model", sft_model, "--out_dir", str(tmp_path), "--total_episodes", "1000000", *SMALL], nproc=2)
+    wait_for(p, lambda: (tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 3)
+    workers = descendants(p.pid)
+    rank1 = [pid for pid in workers if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()]
+    assert p.poll() is None and len(rank1) == 1, workers
+    os.kill(rank1[0], signal.SIGKILL)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode != 0 and "grpo.py FAILED" in err, err[-2000:]
+    time.sleep(1)
+    assert not [pid for pid in workers if alive(pid)]  # no orphaned rank left running
+
+
+def alive(pid: int) -> bool:  # a zombie (exited, not yet reaped) is not alive
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return kids + [d for k in kids for d in descendants(k)]
 
 
 BAD = [(["--kl_estimator", "k5"], "unknown --kl_estimator"), (["--num_samples_per_prompt", "1"], "per_prompt >= 2"),

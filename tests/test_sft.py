@@ -79,6 +79,26 @@ def test_sigterm_saves_checkpoint_then_resume_finishes(tmp_path):
     assert metrics(tmp_path)[-1]["step"] == stopped_at + 3
 
 
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """Fault injection: SIGKILL mid-run (no chance to save), then --resume from the last periodic checkpoint."""
+    common = ["--total_steps", "40", "--eval_every", "4", *SMALL]
+    run(["--out_dir", str(tmp_path / "full"), *common])
+    out = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "sft.py", "--out_dir", str(out), *common], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None and not (out / "checkpoints" / "step_00000008").exists():
+        time.sleep(0.05)
+    p.kill()
+    assert p.wait() == -signal.SIGKILL  # still running when killed: the kill came mid-way
+    run(["--out_dir", str(out), "--resume", *common])
+    full = {m["step"]: m for m in metrics(tmp_path / "full")}
+    resumed = {m["step"]: m for m in metrics(out)}  # last row per step (steps after the checkpoint are logged twice)
+    assert resumed.keys() == full.keys()
+    for step, m in full.items():
+        assert abs(resumed[step]["train/loss"] - m["train/loss"]) < 1e-5, (step, resumed[step], m)
+
+
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "1", *SMALL]
     run(["--total_steps", "2", *common])
