@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import tyro
 
 import gpt2
+from ppo import setup_distributed, shard_model  # measure exactly the sharding ppo.py does
 
 SECTIONS = ("forward", "generate", "memory", "cuda")
 TINY_VOCAB = 257  # the offline arithmetic task's byte tokenizer; the other presets keep GPT-2's 50257
@@ -256,36 +257,6 @@ class ScoredGPT(gpt2.GPT):
 
     def forward(self, idx):
         return self.score(super().forward(idx, return_hidden=True)).squeeze(-1)
-
-
-def setup_distributed():
-    """torchrun → process group (nccl on CUDA, gloo on CPU); plain python → a single process. Returns
-    (rank, world_size, device)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return rank, world_size, device
-
-
-def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool):
-    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit). Works for
-    a GPT or any module holding one (a reward/value model with a scalar head)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kw = dict(mesh=mesh, mp_policy=mp) if mp else dict(mesh=mesh)
-    for block in [m for m in model.modules() if isinstance(m, gpt2.Block)]:
-        fully_shard(block, **kw)
-    return fully_shard(model, **kw)
 
 
 def memory_worker(args: Args):
