@@ -358,6 +358,15 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return os.path.join(root, steps[-1]) if steps else None
 
 
+def load_full_state_dict(model: torch.nn.Module, sd: dict):
+    """Load a full (unsharded) state dict into a plain or an FSDP2-sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if dist.is_initialized():
+        return set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
+    model.load_state_dict(sd)
+
+
 def load_optimizer_state(model, optimizer, opt_sd):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -483,10 +492,7 @@ def main(args: Args):
     if args.resume and ckpt is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {args.out_dir}/checkpoints; drop --resume to start fresh")
     if ckpt:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        sd = gpt2.load_model(ckpt).state_dict()
-        set_model_state_dict(policy, sd, options=StateDictOptions(full_state_dict=True)) if dist.is_initialized() else policy.load_state_dict(sd)
+        load_full_state_dict(policy, gpt2.load_model(ckpt).state_dict())
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
         load_optimizer_state(policy, optimizer, state["optimizer"])
         start_step = state["step"]
