@@ -8,7 +8,8 @@ k1 in the loss does not control the KL. beta = 0 has no KL term, so it is run on
 
     python kl_study.py                                        # from runs/sft (what `python sft.py` writes)
     python kl_study.py --model runs/sft --betas 0 0.1 0.3 --total_episodes 20480
-    python kl_study.py --grpo_args "--lr 3e-5 --num_minibatches 2"   # any other grpo.py flags, for every run
+    python kl_study.py --grpo_args="--seed 2" --out_dir runs/kl_study_seed2   # other grpo.py flags for every run
+                                                    # (with `=`: a value starting with -- is otherwise read as a flag)
 """
 
 import json
@@ -36,7 +37,7 @@ class Args:
     last: int = 10
     """final KL = mean of objective/kl over this many last logged steps"""
     grpo_args: str = ""
-    """extra grpo.py flags for every run, as one string"""
+    """extra grpo.py flags for every run, as one string: --grpo_args="--seed 2" (note the =)"""
 
 
 def summarize(run_dir: str, last: int) -> dict:
