@@ -154,7 +154,10 @@ class GPT(nn.Module):
             attn_mask = ((k_idx <= q_idx) & attention_mask.bool()[:, None, None, :]) | (k_idx == q_idx)  # (B,1,T,S)
         if pos + T > self.config.block_size:  # a shape check: no device sync, unlike checking position_ids.max()
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {self.config.block_size}")
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(position_ids))
+        # wte is tied to lm_head: when the logits are computed, the lookup's gradient (B*T rows) is passed sparse and
+        # added into lm_head's dense (V, C) gradient, instead of building a zero (V, C) tensor and adding two of them
+        tok = F.embedding(idx, self.transformer.wte.weight, sparse=not return_hidden and torch.is_grad_enabled())
+        x = self.transformer.drop(tok + self.transformer.wpe(position_ids))
         for i, block in enumerate(self.transformer.h):
             cache = None if kv_cache is None else kv_cache[i]
             if self.activation_checkpointing and self.training:
