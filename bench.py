@@ -7,10 +7,13 @@
    greedy fp32 outputs are identical.
 3. memory: per-rank bytes of parameters + Adam states and peak memory of ppo.py's four models (policy, value,
    reference, reward) under FSDP2 on 1 and 2 ranks, one `torchrun` worker launch per rank count.
-4. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s (CUDA only).
+4. optimizer: one AdamW step over each preset's parameters, torch's three implementations (for-loop, foreach,
+   fused) side by side: the scripts use fused on CPU and CUDA.
+5. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s (CUDA only).
 
-Timings are interleaved (ours, HF, ours, HF, ...) after a warmup and the median is reported, so load on a shared
-machine hits both alike. Weights are random (speed does not depend on them). transformers is a benchmark-only
+Timings are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine hits both alike; each
+ratio is the median over repeats of the ratio within one turn, printed with its range over the turns (on a noisy
+2-core VM one turn's ratio can be ±15% off). Weights are random (speed does not depend on them). transformers is a benchmark-only
 dependency: pip install -r requirements-test.txt.
 
     python bench.py                                   # everything, CPU-sized: a few minutes on 2 cores
@@ -37,16 +40,16 @@ import tyro
 import gpt2
 from ppo import setup_distributed, shard_model  # measure exactly the sharding ppo.py does
 
-SECTIONS = ("forward", "generate", "memory", "cuda")
+SECTIONS = ("forward", "generate", "memory", "optimizer", "cuda")
 TINY_VOCAB = 257  # the offline arithmetic task's byte tokenizer; the other presets keep GPT-2's 50257
 
 
 @dataclass
 class Args:
-    sections: str = "forward,generate,memory,cuda"
-    """comma-separated sections: forward, generate, memory, cuda (cuda is skipped with a note without a GPU)"""
+    sections: str = "forward,generate,memory,optimizer,cuda"
+    """comma-separated sections: forward, generate, memory, optimizer, cuda (cuda is skipped without a GPU)"""
     presets: str = "tiny,gpt2"
-    """comma-separated gpt2.py presets for the forward and generate sections"""
+    """comma-separated gpt2.py presets for the forward, generate and optimizer sections"""
     dtypes: str = "auto"
     """forward section: comma-separated float32, bfloat16 (autocast); auto = both on CPU, bfloat16 on CUDA"""
     fwd_shape: str = "auto"
@@ -59,8 +62,8 @@ class Args:
     """generate section: longest prompt (prompts are half to all of it, left-padded)"""
     new_tokens: int = 32
     """generate section: tokens sampled per prompt"""
-    repeats: int = 3
-    """timed repeats per variant after one warmup call; the median is reported"""
+    repeats: int = 7
+    """timed turns per variant after one warmup call; medians are reported"""
     min_time: float = 0.3
     """seconds one timed repeat lasts at least (short calls are looped)"""
     memory_preset: str = "gpt2"
@@ -90,9 +93,9 @@ def parse_shape(s: str, n: int, flag: str) -> list[int]:
     return dims
 
 
-def interleaved(fns: dict, repeats: int, min_time: float, sync) -> tuple[dict, dict]:
-    """Median seconds per call of each fn, timed in turns (a, b, a, b, ...) so machine load hits all alike, and the
-    seconds of each first (warmup) call, which also sizes the inner loop of each timed repeat."""
+def interleaved(fns: dict, repeats: int, min_time: float, sync) -> tuple[dict, dict, dict]:
+    """Median seconds per call of each fn, timed in turns (a, b, a, b, ...) so machine load hits all alike; the
+    seconds of each first (warmup) call, which also sizes the inner loop of each timed turn; and every turn's seconds."""
     first, loops, times = {}, {}, {k: [] for k in fns}
     for k, fn in fns.items():
         t = time.perf_counter()
@@ -107,7 +110,14 @@ def interleaved(fns: dict, repeats: int, min_time: float, sync) -> tuple[dict, d
                 fn()
             sync()
             times[k].append((time.perf_counter() - t) / loops[k])
-    return {k: statistics.median(v) for k, v in times.items()}, first
+    return {k: statistics.median(v) for k, v in times.items()}, first, times
+
+
+def speedup(times: dict, fast: str, slow: str, label: str) -> dict:
+    """How many times faster `fast` ran than `slow`: the median over turns of the ratio within one turn, and its
+    range over the turns."""
+    ratios = [s / f for f, s in zip(times[fast], times[slow])]
+    return {label: statistics.median(ratios), f"{label} range": f"{min(ratios):.2f}–{max(ratios):.2f}"}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -177,12 +187,12 @@ def bench_forward(args: Args, device, sync, meta) -> list[dict]:
             if args.compile:
                 compiled = torch.compile(ours)
                 fns["compiled"] = lambda: step(compiled, False)
-            sec, first = interleaved(fns, args.repeats, args.min_time, sync)
+            sec, first, times = interleaved(fns, args.repeats, args.min_time, sync)
             row = {"preset": preset, "dtype": dtype, "B x T": f"{B}x{T}", "ours tok/s": B * T / sec["ours"],
-                   "HF tok/s": B * T / sec["hf"], "ours/HF": sec["hf"] / sec["ours"]}  # fmt: skip
+                   "HF tok/s": B * T / sec["hf"]} | speedup(times, "ours", "hf", "ours/HF")  # fmt: skip
             if args.compile:
-                row |= {"compiled tok/s": B * T / sec["compiled"], "compiled/ours": sec["ours"] / sec["compiled"],
-                        "compile s": first["compiled"] - first["ours"]}  # fmt: skip
+                row |= {"compiled tok/s": B * T / sec["compiled"], "compile s": first["compiled"] - first["ours"]}
+                row |= speedup(times, "compiled", "ours", "compiled/ours")
             rows += show([row])
     return rows
 
@@ -211,12 +221,13 @@ def bench_generate(args: Args, device, sync, meta) -> list[dict]:
                 raise RuntimeError(f"HF generated {out.shape[1] - query.shape[1]} tokens, not {n}")
             return out[:, query.shape[1] :]
 
-        sec, _ = interleaved({"ours": lambda: run(False), "hf": lambda: run(True)}, args.repeats, args.min_time, sync)
+        fns = {"ours": lambda: run(False), "hf": lambda: run(True)}
+        sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
         same = int((run(False, False, nullcontext()) == run(True, False, nullcontext())).all(1).sum())  # fp32 greedy
         rows += show([{"preset": preset, "dtype": dtype, "B x (prompt+new)": f"{B}x({args.prompt_len}+{n})",
-                       "ours tok/s": B * n / sec["ours"], "HF tok/s": B * n / sec["hf"],
-                       "ours/HF": sec["hf"] / sec["ours"],
-                       "greedy fp32 identical": f"{'yes' if same == B else 'NO'} ({same}/{B} rows)"}])  # fmt: skip
+                       "ours tok/s": B * n / sec["ours"], "HF tok/s": B * n / sec["hf"]}
+                      | speedup(times, "ours", "hf", "ours/HF")
+                      | {"greedy fp32 identical": f"{'yes' if same == B else 'NO'} ({same}/{B} rows)"}])  # fmt: skip
     return rows
 
 
@@ -248,6 +259,22 @@ def bench_memory(args: Args, device) -> list[dict]:
     return rows
 
 
+def bench_optimizer(args: Args, device, sync) -> list[dict]:
+    rows = []
+    for preset in args.presets.split(","):
+        torch.manual_seed(args.seed)
+        model = gpt2.GPT(gpt2.make_config(preset, vocab_size=TINY_VOCAB if preset == "tiny" else None)).to(device)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        kinds = dict(for_loop=dict(foreach=False), foreach=dict(foreach=True), fused=dict(fused=True))
+        fns = {k: torch.optim.AdamW(model.parameters(), lr=1e-5, **kw).step for k, kw in kinds.items()}
+        sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
+        row = {"preset": preset, "params": f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"}
+        row |= {f"{k} ms": 1e3 * sec[k] for k in kinds} | speedup(times, "fused", "foreach", "fused/foreach")
+        rows += show([row | speedup(times, "fused", "for_loop", "fused/for-loop")])
+    return rows
+
+
 class ScoredGPT(gpt2.GPT):
     """GPT-2 with a scalar head, the shape of ppo.py's value and reward models: (B, T) ids -> (B, T) scalars."""
 
@@ -271,7 +298,7 @@ def memory_worker(args: Args):
     for model in models:
         shard_model(model.to(device), device, bf16=device.type == "cuda")
     ref.requires_grad_(False), reward.requires_grad_(False)
-    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-6) for m in (policy, value)]
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-6, fused=True) for m in (policy, value)]
     idx = torch.randint(0, cfg.vocab_size, (2, 32), device=device)
     with torch.no_grad():
         ref(idx), reward(idx)
@@ -304,7 +331,7 @@ def bench_cuda(args: Args, device, sync) -> list[dict]:
     torch.manual_seed(args.seed)
     model = gpt2.GPT(gpt2.make_config("gpt2")).to(device)
     cfg, ctx = model.config, torch.autocast(device.type, dtype=torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     forward_model = torch.compile(model) if args.compile else model
     idx = torch.randint(0, cfg.vocab_size, (B, T), device=device)
 
@@ -356,6 +383,7 @@ def main(args: Args):
         memory="ppo.py's four models under FSDP2 (Adam for policy and value after one step); bytes are this rank's "
         "local shards; peak RSS includes building the full models on every rank before sharding (torchrun workers "
         "run with MALLOC_MMAP_THRESHOLD_=131072 unless set)",
+        optimizer="one torch.optim.AdamW step (gradients present) over all parameters of a preset",
         cuda="GPT-2 124M, sft.py-like bf16 training step; MFU = (6 N + 12 L C T) tokens / s / peak",
     )
     for section in sections:
@@ -366,6 +394,8 @@ def main(args: Args):
             results[section] = bench_generate(args, device, sync, meta)
         elif section == "memory":
             results[section] = bench_memory(args, device)
+        elif section == "optimizer":
+            results[section] = bench_optimizer(args, device, sync)
         elif device.type == "cuda":
             results[section] = bench_cuda(args, device, sync)
         else:
