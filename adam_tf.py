@@ -28,9 +28,10 @@ Defaults are TF's (lr=1e-3, betas=(0.9, 0.999), eps=1e-8); pass eps=1e-5 to matc
 TF1, hyperparameters and beta^t stay Python floats, not float32 (a ~1e-5 relative difference, tests/test_adam_tf.py).
 
 The experiment below replays it on the offline task (one PPO epoch, 4 minibatches of 64 SFT samples, lr 1e-5, eps
-1e-5). On the tiny model (`runs/pipeline/sft`) the first step moves weights 1.57x more with torch's Adam but approxkl
-is only 1.15x larger (0.0035 vs 0.0031), not 6x: its gradients mostly exceed TF's first-step eps (1e-5 / sqrt(1 - 0.999) = 3.2e-4; median
-|g| 5.9e-4), so both take ~lr-sized sign steps; GPT-2 124M's per-parameter gradients are far smaller.
+1e-5). On the tiny model (`runs/pipeline/sft`) the first step moves weights 1.58x more with torch's Adam but approxkl
+is only 1.15x larger (0.0017 vs 0.0015), not 6x: its gradients mostly exceed TF's first-step eps
+(1e-5 / sqrt(1 - 0.999) = 3.2e-4), so both take ~lr-sized sign steps; GPT-2 124M's per-parameter gradients are far
+smaller.
 
     python adam_tf.py --model runs/sft   # the experiment: the first PPO epoch, torch Adam vs AdamTF, side by side
 """
