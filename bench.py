@@ -12,9 +12,9 @@
 5. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s (CUDA only).
 
 Timings are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine hits both alike; each
-ratio is the median over repeats of the ratio within one turn, printed with its range over the turns (on a noisy
-2-core VM one turn's ratio can be ±15% off). Weights are random (speed does not depend on them). transformers is a benchmark-only
-dependency: pip install -r requirements-test.txt.
+ratio is the median over turns of the ratio within one turn, printed with its range over the turns (on this 2-core VM
+one turn's ratio for GPT-2 124M ranged 0.5-1.5). Weights are random (speed does not depend on them). transformers is
+a benchmark-only dependency: pip install -r requirements-test.txt.
 
     python bench.py                                   # everything, CPU-sized: a few minutes on 2 cores
     python bench.py --sections forward --presets tiny --compile --out bench.json
@@ -65,7 +65,7 @@ class Args:
     repeats: int = 7
     """timed turns per variant after one warmup call; medians are reported"""
     min_time: float = 0.3
-    """seconds one timed repeat lasts at least (short calls are looped)"""
+    """seconds one timed turn lasts at least (short calls are looped)"""
     memory_preset: str = "gpt2"
     """memory section: preset of the four models"""
     memory_ranks: str = "1,2"
@@ -95,7 +95,7 @@ def parse_shape(s: str, n: int, flag: str) -> list[int]:
 
 def interleaved(fns: dict, repeats: int, min_time: float, sync) -> tuple[dict, dict, dict]:
     """Median seconds per call of each fn, timed in turns (a, b, a, b, ...) so machine load hits all alike; the
-    seconds of each first (warmup) call, which also sizes the inner loop of each timed turn; and every turn's seconds."""
+    seconds of each first (warmup) call, which also sizes the inner loop of each timed turn; every turn's seconds."""
     first, loops, times = {}, {}, {k: [] for k in fns}
     for k, fn in fns.items():
         t = time.perf_counter()
