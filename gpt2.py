@@ -126,6 +126,9 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        # logits returned: the tokenizer's vocabulary, which a padded embedding (e.g. 50304 rows for GPT-2's 50257
+        # tokens) may exceed; ids past it are then never sampled and never in a log-softmax
+        self.n_logits = cfg.vocab_size
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2 scales residual projections by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight"):
@@ -165,7 +168,9 @@ class GPT(nn.Module):
             else:
                 x = block(x, attn_mask, cache, pos)
         x = self.transformer.ln_f(x[:, keep_from:])
-        return x if return_hidden else self.lm_head(x)
+        if return_hidden:
+            return x
+        return self.lm_head(x) if self.n_logits == self.config.vocab_size else x @ self.lm_head.weight[: self.n_logits].t()
 
     def new_kv_cache(self, max_len):
         """One cache per layer for sequences of up to max_len tokens, filled by `forward(..., kv_cache=, pos=)`."""
@@ -256,16 +261,54 @@ def from_hf_state_dict(tensors: dict, meta: dict) -> GPT:
 
 
 def load_model(model: str, vocab_size: int | None = None, block_size: int | None = None) -> GPT:
-    """`tiny` (random init, vocab from the tokenizer), a GPT-2 preset name (pretrained weights) or a checkpoint."""
+    """`tiny` (random init, vocab from the tokenizer), a GPT-2 preset name (pretrained weights) or a checkpoint.
+    With `vocab_size` (the tokenizer's), a checkpoint must have an embedding of that size, or one padded up to the next
+    multiple of 128; anything else is a tokenizer / model mismatch."""
     if model == "tiny":
         return GPT(make_config(model, vocab_size, block_size))
     model_ = from_hf_state_dict(*read_checkpoint(model))
-    if vocab_size is not None and model_.config.vocab_size < vocab_size:
-        raise ValueError(
-            f"checkpoint '{model}' has vocab {model_.config.vocab_size} but the tokenizer needs {vocab_size}: "
-            "use the tokenizer the checkpoint was trained with (--tokenizer)"
-        )
+    if vocab_size is not None:
+        rows = model_.config.vocab_size
+        if not vocab_size <= rows <= -(-vocab_size // 128) * 128:
+            raise ValueError(
+                f"checkpoint '{model}' has a {rows}-token vocabulary but the data's tokenizer has {vocab_size}: "
+                "prep the data with the tokenizer the model was trained with (data.prep --tokenizer), or pass a model "
+                "trained on this data"
+            )
+        model_.n_logits = vocab_size
     return model_
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The full (unsharded) state dict on CPU: gathered from every rank under FSDP2 (a collective: call on all)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict) -> None:
+    """Load a full state dict (our names) into a plain or an FSDP2-sharded model (each rank keeps its shard)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if dist.is_initialized():
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(state_dict)
+
+
+def state_dict_from_hf(tensors: dict, model: nn.Module) -> dict:
+    """HF-layout tensors (as `save_model` writes them) → the state dict of `model` (a GPT or a subclass with extra
+    heads): Conv1D weights transposed back, the tied lm_head filled from wte."""
+    sd = {}
+    for name in model.state_dict():
+        key = "transformer.wte.weight" if name == "lm_head.weight" else name
+        src = tensors[key] if key in tensors else tensors[key.removeprefix("transformer.")]
+        sd[name] = src.t() if name.endswith(_CONV1D) else src
+    return sd
 
 
 def to_hf_state_dict(state_dict: dict) -> dict:
@@ -340,12 +383,14 @@ def sample_token(logits, u=None, temperature=1.0, top_k=0, top_p=1.0, generator=
 @torch.no_grad()
 def generate(
     model, query, pad_token_id, max_new_tokens, eos_token_id=None, temperature=1.0, top_k=0, top_p=1.0,
-    noise=None, generator=None,
+    noise=None, generator=None, return_logprobs=False,
 ):  # fmt: skip
     """Sample responses (B, max_new_tokens) for left-padded queries (B, Tq) with a preallocated KV cache.
 
     Tokens after the first `eos_token_id` are `pad_token_id`. `noise` (B, max_new_tokens) are the uniforms used by
-    inverse-CDF sampling; passing a slice of one global tensor makes sampling independent of the number of ranks."""
+    inverse-CDF sampling; passing a slice of one global tensor makes sampling independent of the number of ranks.
+    With `return_logprobs`, also the log-probs (B, max_new_tokens) of the sampled tokens under logits / temperature
+    (0 after the stop token): the sampler's own numbers, which spares RL a second forward pass to compute them."""
     B, Tq = query.shape
     cfg = model.config
     if temperature > 0 and not (0.0 < top_p <= 1.0):
@@ -360,18 +405,23 @@ def generate(
         kv = model.new_kv_cache(Tq + max_new_tokens)
         logits = model(query, attention_mask=mask[:, :Tq], kv_cache=kv, pos=0, keep_from=Tq - 1)[:, -1]
         response = torch.full((B, max_new_tokens), pad_token_id, dtype=query.dtype, device=query.device)
+        logprobs = torch.zeros(B, max_new_tokens, device=query.device) if return_logprobs else None
         done = torch.zeros(B, dtype=torch.bool, device=query.device)
         for t in range(max_new_tokens):
             token = sample_token(logits, None if noise is None else noise[:, t], temperature, top_k, top_p)
             response[:, t] = torch.where(done, pad_token_id, token)
+            if return_logprobs:
+                logp = torch.log_softmax(logits.float() / (temperature or 1.0), -1).gather(-1, token[:, None]).squeeze(-1)
+                logprobs[:, t] = logp.masked_fill(done, 0.0)
             mask[:, Tq + t] = 1
             if eos_token_id is not None:
                 done |= token == eos_token_id
-                if t % 8 == 7 and done.all():  # the check syncs with the device: do it every few steps only
+                # the check syncs with the device: on GPU every few steps only, on CPU (no sync cost) every step
+                if (query.device.type == "cpu" or t % 8 == 7) and done.all():
                     break
             if t + 1 < max_new_tokens:
                 logits = model(token[:, None], attention_mask=mask[:, : Tq + t + 1], kv_cache=kv, pos=Tq + t)[:, -1]
-    return response
+    return (response, logprobs) if return_logprobs else response
 
 
 if __name__ == "__main__":

@@ -124,8 +124,10 @@ def test_errors(tmp_path):
         gpt2.load_model("nonexistent/path")
     model = tiny_model()
     gpt2.save_model(model.state_dict(), model.config, str(tmp_path))
-    with pytest.raises(ValueError, match="vocab 257 but the tokenizer needs 258"):
+    with pytest.raises(ValueError, match="has a 257-token vocabulary but the data's tokenizer has 258"):
         gpt2.load_model(str(tmp_path), vocab_size=V + 1)
+    with pytest.raises(ValueError, match="257-token vocabulary but the data's tokenizer has 50"):  # GPT-2 on bytes
+        gpt2.load_model(str(tmp_path), vocab_size=50)
     save_file({"foo": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a GPT-2 checkpoint"):
         gpt2.load_model(str(tmp_path / "other.safetensors"))
@@ -148,3 +150,32 @@ def test_activation_checkpointing_same_loss_and_grads():
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=1e-5)  # (loss, grads) with vs without
+
+
+@torch.no_grad()
+def test_padded_vocabulary_never_produces_ids_past_the_tokenizer(tmp_path):
+    """A checkpoint whose embedding is padded past the tokenizer (GPT-2's 50257 → 50304 style) loads; its logits
+    cover the tokenizer only, so sampling never returns an id the tokenizer cannot decode."""
+    model = gpt2.GPT(gpt2.make_config("tiny", vocab_size=384))  # 257 rounded up to a multiple of 128
+    with torch.no_grad():
+        model.transformer.wte.weight[V:] = 50.0  # the padding rows would win every argmax if they were scored
+    gpt2.save_model(model.state_dict(), model.config, str(tmp_path))
+    loaded = gpt2.load_model(str(tmp_path), vocab_size=V).eval()
+    query = batch()[1]
+    assert loaded(query).shape[-1] == V
+    for temperature in (0.0, 1.0):
+        response = gpt2.generate(loaded, query, PAD, 8, temperature=temperature, generator=torch.Generator().manual_seed(0))
+        assert int(response.max()) < V
+
+
+@torch.no_grad()
+def test_generation_logprobs_equal_a_separate_forward_pass():
+    """return_logprobs gives the log-probs of the sampled tokens under logits / T, as one full forward pass would."""
+    model, (_, query) = tiny_model(), batch()
+    T, temperature = 6, 0.7
+    response, logprobs = gpt2.generate(model, query, PAD, T, eos_token_id=None, temperature=temperature,
+                                       generator=torch.Generator().manual_seed(0), return_logprobs=True)  # fmt: skip
+    mask = torch.cat([query != PAD, torch.ones_like(response, dtype=torch.bool)], 1)
+    logits = model(torch.cat([query, response], 1), attention_mask=mask, keep_from=query.size(1) - 1)[:, :-1]
+    expected = (logits / temperature).log_softmax(-1).gather(-1, response[..., None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
