@@ -8,13 +8,20 @@ update. Eval: teacher-forced loss on held-out pairs and, for tasks with a verifi
 
     python sft.py                                          # tiny GPT-2 from scratch on the offline arithmetic task
     torchrun --nproc_per_node=2 sft.py                     # the same run, FSDP2 over 2 ranks (gloo on CPU, nccl on GPU)
-    python sft.py --model gpt2 --data DIR --lr 1e-5        # pretrained GPT-2 on a dataset written by data.prep
-    python sft.py --resume                                 # continue the run in --out_dir from its last checkpoint
+    python sft.py --model gpt2 --data runs/data/gsm8k --lr 1e-5   # pretrained GPT-2 on a dataset written by data.prep
+    python sft.py --resume --out_dir runs/sft/<run>        # continue a run from its last checkpoint
+
+Each run writes a fresh `runs/sft/<time>-s<seed>/` (model in the HF safetensors layout, checkpoints, args.json,
+metrics.jsonl); `runs/sft/latest` links to the last finished one, where reward.py, dpo.py, ppo.py and grpo.py look.
+The plumbing section at the bottom (~230 lines, identical in every script) is what lets this one file run alone:
+torchrun, run directories, atomic checkpoints and one-line errors.
 """
 
+import atexit
+import glob
 import json
 import os
-import random
+import shutil
 import signal
 import sys
 import time
@@ -37,8 +44,12 @@ class Args:
     """`tiny` (random init), a GPT-2 preset (`gpt2`, `gpt2-medium`, ... pretrained weights) or a checkpoint dir"""
     data: str = "arithmetic"
     """`arithmetic` (the built-in offline task) or a dataset directory written by `python -m data.prep`"""
-    out_dir: str = "runs/sft"
-    """where the model (HF safetensors layout), checkpoints, args.json and metrics.jsonl are written"""
+    out_dir: str = ""
+    """run directory; default a fresh runs/sft/<time>-s<seed>, linked as runs/sft/latest when it finishes"""
+    overwrite: bool = False
+    """delete the run already in --out_dir and start afresh"""
+    resume: bool = False
+    """continue the run in --out_dir from its last complete checkpoint"""
     seed: int = 1
     """seed for init and data order (identical on every rank)"""
     lr: float = 1e-3
@@ -67,8 +78,6 @@ class Args:
     """steps between status lines / metrics rows"""
     keep_checkpoints: int = 2
     """number of resumable checkpoints kept in out_dir/checkpoints"""
-    resume: bool = False
-    """continue from the last checkpoint in out_dir"""
     dtype: str = "auto"
     """`auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16` (autocast; FSDP2 bf16 params + fp32 reduce)"""
     compile: bool = False
@@ -80,13 +89,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Helpers (pure tensor functions and the distributed boilerplate every script shares)
-
-
-def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
-    return a // b
+# SFT: the loss on response tokens, and the masks it needs
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -97,17 +100,28 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
 
 
 def response_mask(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, T) bool: response tokens up to and including the first stop token."""
+    """(B, T) bool: response tokens up to and including the first stop token (whatever the pad token is)."""
     stop = first_true_indices(response == eos_token_id)
     return torch.arange(response.size(1), device=response.device)[None, :] <= stop[:, None]
 
 
-def trim_padding(query: torch.Tensor, response: torch.Tensor, pad_token_id: int):
-    """Drop the left-pad columns every query shares and the right-pad columns every response shares (saves compute,
+def trim_padding(query: torch.Tensor, response: torch.Tensor, pad_token_id: int, eos_token_id: int):
+    """Drop the left-pad columns every query shares and the columns after every response's stop token (saves compute,
     changes nothing: positions come from the mask)."""
     q_start = int(first_true_indices((query != pad_token_id).any(0, keepdim=True)).item())
-    r_len = int(response_mask(response, pad_token_id).sum(1).max().item())
+    r_len = int(response_mask(response, eos_token_id).sum(1).max().item())
     return query[:, min(q_start, query.size(1) - 1) :], response[:, :r_len]
+
+
+def sft_loss_sums(model, query, response, pad_token_id, eos_token_id, ctx):
+    """Summed token NLL over response tokens (to and including the stop token), and their count."""
+    mask = response_mask(response, eos_token_id)  # (B, Tr)
+    attention_mask = torch.cat([query != pad_token_id, mask], 1)
+    with ctx:
+        # logits from the last prompt position on: position t predicts token t + 1
+        logits = model(torch.cat([query, response], 1), attention_mask=attention_mask, keep_from=query.size(1) - 1)
+    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), response.flatten().long(), reduction="none")
+    return (nll.view_as(mask) * mask).sum(), mask.sum()
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -116,6 +130,177 @@ def lr_at(step: int, args: Args) -> float:
         return args.lr * (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# main
+
+
+def main(args: Args):
+    # ---- sizes, distributed setup, seeds, run dir
+    rank, world_size, device = setup_distributed()
+    master = rank == 0
+    local_batch_size = exact_div(args.batch_size, world_size, "--batch_size must divide by the number of ranks")
+    grad_accum = exact_div(local_batch_size, args.micro_batch_size, "per-rank batch (--batch_size / ranks) must divide by --micro_batch_size")
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    torch.manual_seed(args.seed)
+
+    # ---- data
+    meta = data.load_meta(args.data)
+    train, test = data.load_split(args.data, "sft_train"), data.load_split(args.data, "sft_test")
+    prompts = data.load_split(args.data, "prompt_test") if meta.get("task") else None
+    pad, eos = meta["pad_token_id"], meta["eos_token_id"]
+    n_train = len(train["query"])
+    if n_train < args.batch_size:
+        raise RunError(f"sft_train has {n_train} examples, fewer than --batch_size {args.batch_size}: lower it")
+
+    # ---- model, optimizer
+    model = gpt2.load_model(args.model, vocab_size=meta["vocab_size"])
+    if train["query"].shape[1] + train["response"].shape[1] > model.config.block_size:
+        raise RunError(f"prompt + response ({train['query'].shape[1]} + {train['response'].shape[1]} tokens) exceed "
+                       f"the model context {model.config.block_size}: prep with a smaller --max_query_len")  # fmt: skip
+    model.activation_checkpointing = args.activation_checkpointing
+    model.to(device)
+    if dist.is_initialized():
+        shard_model(model, device, bf16)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    # fused: one kernel for all parameters, on CPU as on CUDA (see docs/benchmarks.md)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), fused=True,
+    )  # fmt: skip
+    forward_model = torch.compile(model) if args.compile else model
+    args.out_dir = start_run(args, "sft", master)
+    start_step = load_checkpoint(args.out_dir, model, optimizer, master)["step"] if args.resume else 0
+    stop = {"now": False}  # SIGTERM (a cluster's preemption): finish the step, save a checkpoint, exit
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+
+    def evaluate() -> dict:
+        """Teacher-forced loss on sft_test and, when the task has a verifier, greedy accuracy on prompt_test."""
+        model.eval()
+        n = min(args.eval_size, len(test["query"])) // world_size * world_size  # equal shares: FSDP2 needs all ranks
+        idx, sums = np.arange(rank, n, world_size), dict(nll=0.0, tokens=0.0)
+        with torch.no_grad():
+            for i in progress(range(0, len(idx), args.micro_batch_size), "eval loss", master):
+                j = idx[i : i + args.micro_batch_size]
+                q, r = (torch.from_numpy(test[k][j]).to(device) for k in ("query", "response"))
+                nll, count = sft_loss_sums(model, *trim_padding(q, r, pad, eos), pad, eos, ctx)
+                sums["nll"], sums["tokens"] = sums["nll"] + nll, sums["tokens"] + count
+        sums = reduce_sums(sums, device)
+        out = {"eval/loss": sums["nll"] / sums["tokens"]}
+        if prompts is not None:
+            out["eval/accuracy"] = greedy_accuracy(model, prompts, meta, args.eval_size, args.micro_batch_size,
+                                                   args.response_length, rank, world_size, device, ctx)  # fmt: skip
+        model.train()
+        return out
+
+    # ---- training loop: one permutation of the data per epoch from (seed, epoch), identical on every rank; rank r
+    # takes its contiguous slice of each global batch, so any number of ranks sees the same global batches
+    steps_per_epoch = n_train // args.batch_size
+    perm_cache = {}
+    t0, tokens = time.time(), 0
+    model.train()
+    for step in range(start_step, args.total_steps):
+        epoch, k = divmod(step, steps_per_epoch)
+        if epoch not in perm_cache:
+            perm_cache = {epoch: np.random.default_rng([args.seed, epoch]).permutation(n_train)}
+        batch_idx = perm_cache[epoch][k * args.batch_size : (k + 1) * args.batch_size]
+        local_idx = batch_idx[rank * local_batch_size : (rank + 1) * local_batch_size]
+        b_query = torch.from_numpy(train["query"][local_idx]).to(device)
+        b_response = torch.from_numpy(train["response"][local_idx]).to(device)
+        # 1. normalise by the global count of response tokens: the same update on 1 or N ranks, any micro split
+        n_tokens = all_reduce(response_mask(b_response, eos).sum().float())
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        # 2. forward/backward over micro-batches; FSDP2 reduce-scatters the gradients once, on the last one
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(grad_accum):
+            s = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            if dist.is_initialized():
+                model.set_requires_gradient_sync(micro == grad_accum - 1)
+            mb_query, mb_response = trim_padding(b_query[s], b_response[s], pad, eos)
+            nll_sum, count = sft_loss_sums(forward_model, mb_query, mb_response, pad, eos, ctx)
+            # FSDP averages gradients over ranks, so scale by world_size to get sum / global token count
+            (nll_sum * world_size / n_tokens).backward()
+            loss_sum += nll_sum.detach()
+            tokens += int(count) + int((mb_query != pad).sum())
+        # 3. clip (the returned norm is the global one, before clipping) and step
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        loss = all_reduce(loss_sum) / n_tokens
+        if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite loss {loss.item()} or grad norm at step {step + 1}: lower --lr; the "
+                                     f"last good checkpoint is in {args.out_dir}/checkpoints (--resume)")  # fmt: skip
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # 4. log, evaluate, checkpoint
+        eval_now = (step + 1) % args.eval_every == 0 or step + 1 == args.total_steps
+        if (step + 1) % args.log_every == 0 or step == start_step or eval_now:
+            metrics = {"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/lr": lr_at(step, args),
+                       "perf/tokens_per_sec": all_reduce(torch.tensor(float(tokens), device=device)).item() / (time.time() - t0)}  # fmt: skip
+            if eval_now:
+                metrics |= evaluate()
+            log_metrics(args.out_dir, step + 1, metrics, SHOW, master)
+            t0, tokens = time.time(), 0
+        if eval_now or stop["now"]:
+            save_checkpoint(args.out_dir, step + 1, model, optimizer, args.keep_checkpoints)
+        if stop["now"]:
+            raise RunError(f"SIGTERM: saved a checkpoint at step {step + 1}; continue with --resume --out_dir {args.out_dir}")
+
+    # ---- save the final model in the HF GPT-2 layout (what reward.py, dpo.py, ppo.py and grpo.py load), teardown
+    sd = gpt2.full_state_dict(model)
+    if master:
+        gpt2.save_model(sd, model.config, args.out_dir)
+        print(f"saved {args.out_dir}/model.safetensors", flush=True)
+    finish_run(args, "sft", master)
+
+
+SHOW = ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_sec")  # the status line; metrics.jsonl has all
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Evaluation shared with dpo.py, ppo.py and grpo.py
+
+
+@torch.no_grad()
+def greedy_accuracy(model, prompts, meta, eval_size, batch, response_length, rank, world_size, device, ctx) -> float:
+    """Fraction of held-out prompts whose greedy response the task's verifier accepts, over all ranks (each rank
+    takes a strided share; the shares are equal, as FSDP2 needs every rank in every forward)."""
+    enc, pad, eos = data.get_encoding(meta["tokenizer"]), meta["pad_token_id"], meta["eos_token_id"]
+    n = min(eval_size, len(prompts["query"])) // world_size * world_size
+    idx, correct = np.arange(rank, n, world_size), 0.0
+    was_training = model.training
+    model.eval()
+    for i in progress(range(0, len(idx), batch), "eval accuracy", rank == 0):
+        j = idx[i : i + batch]
+        q = torch.from_numpy(prompts["query"][j]).to(device)
+        q = q[:, min(int(first_true_indices((q != pad).any(0, keepdim=True))), q.size(1) - 1) :]
+        with ctx:
+            resp = gpt2.generate(model, q, pad, min(response_length, model.config.block_size - q.size(1)), eos, 0.0)
+        stop = first_true_indices(resp == eos).tolist()
+        for row, s, gt in zip(resp.tolist(), stop, prompts["ground_truth"][j]):
+            correct += data.verify(meta["task"], enc.decode(row[:s]), str(gt))
+    model.train(was_training)
+    return reduce_sums({"correct": correct}, device)["correct"] / max(n, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ---- plumbing: identical in every script (tests/test_copies.py)
+# Distributed setup, FSDP2 wrapping, run directories, checkpoints, logging and one-line errors. Nothing below is part of
+# the algorithm; it is copied verbatim between the five scripts so each one stays a single runnable file.
+
+
+class RunError(Exception):
+    """A problem the user can fix (bad flag, missing file, busy out_dir): printed as one line by rank 0, no traceback."""
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b != 0:
+        raise RunError(f"{what}: {a} is not divisible by {b}")
+    return a // b
 
 
 def setup_distributed():
@@ -135,296 +320,220 @@ def setup_distributed():
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool):
-    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit). Works for
-    a GPT or any module holding one (a reward/value model with a scalar head)."""
+    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit); bf16
+    params with fp32 gradient reduction when bf16. Works for a GPT or a reward/value model with a scalar head."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kw = dict(mesh=mesh, mp_policy=mp) if mp else dict(mesh=mesh)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in [m for m in model.modules() if isinstance(m, gpt2.Block)]:
-        fully_shard(block, **kw)
-    return fully_shard(model, **kw)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """The full (unsharded) model state dict on CPU; under FSDP2 gathered on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if not dist.is_initialized():
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place (a no-op in a single process)."""
     if dist.is_initialized():
-        dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+        dist.all_reduce(x)
     return x
 
 
-def global_grad_norm(parameters) -> torch.Tensor:
-    """Clip-free global L2 norm of the gradients (DTensor-aware)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def reduce_sums(sums: dict, device) -> dict:
+    """{name: scalar} summed over ranks with one all-reduce (stacked once, float64), returned by name."""
+    t = all_reduce(torch.stack([torch.as_tensor(v, device=device).detach().double() for v in sums.values()]))
+    return dict(zip(sums, t.tolist()))
 
 
-def save_checkpoint(out_dir, step, model, optimizer, extra, keep):
-    """Resumable checkpoint: model (HF layout), optimizer, step, RNG and data position. Written to a temp dir, then
-    renamed, so a kill mid-save never leaves a broken checkpoint; only the last `keep` are kept."""
+def start_run(args, algo: str, master: bool) -> str:
+    """Claim the run directory and return it. Default: a fresh `runs/<algo>/<time>-s<seed>`, so no run is ever
+    overwritten; `runs/<algo>/latest` links to it once it finishes (where the next stage looks by default). An explicit
+    --out_dir that already holds a run needs --resume (continue it) or --overwrite (delete it first), so two runs never
+    mix in one metrics.jsonl. A lock file holding rank 0's pid stops a second run from writing into the same dir."""
+    out_dir, error = args.out_dir or os.path.join("runs", algo, time.strftime("%Y%m%d-%H%M%S") + f"-s{args.seed}"), None
+    while master and not args.out_dir and os.path.exists(out_dir):  # two runs started in the same second
+        out_dir += "x"
+    if master:
+        try:
+            _claim(args, out_dir, algo)
+        except RunError as e:
+            error = str(e)
+    if dist.is_initialized():  # every rank takes rank 0's name (clocks differ) and fails together, never hangs
+        box = [out_dir, error]
+        dist.broadcast_object_list(box, src=0)
+        out_dir, error = box
+    if error:
+        raise RunError(error)
+    if master:
+        print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
+        if args.wandb:
+            import wandb
+
+            wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    return out_dir
+
+
+def _claim(args, out_dir: str, algo: str):
+    if args.resume and not args.out_dir:
+        raise RunError(f"--resume needs the run to continue: pass --out_dir runs/{algo}/<run> (printed at its start)")
+    lock = os.path.join(out_dir, ".lock")
+    if os.path.isfile(lock):
+        pid = int(open(lock).read().strip() or 0)
+        if pid and pid != os.getpid() and _pid_alive(pid):
+            raise RunError(f"another run (pid {pid}) is writing to '{out_dir}': wait for it or pass another --out_dir")
+    if args.resume and not glob.glob(os.path.join(out_dir, "checkpoints", "step_*")):
+        raise RunError(f"--resume: no checkpoint in '{out_dir}/checkpoints': drop --resume to start a fresh run")
+    has_run = any(os.path.exists(os.path.join(out_dir, f)) for f in RUN_FILES)
+    if has_run and not (args.resume or args.overwrite):
+        raise RunError(f"'{out_dir}' already holds a run: pass --resume to continue it, --overwrite to replace it, "
+                       "or another --out_dir")  # fmt: skip
+    try:
+        if has_run and args.overwrite and not args.resume:
+            for path in (os.path.join(out_dir, f) for f in RUN_FILES):
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
+        with open(lock, "w") as f:
+            f.write(str(os.getpid()))
+        for d in glob.glob(os.path.join(out_dir, "checkpoints", ".tmp_*")):  # a save killed half-way
+            shutil.rmtree(d, ignore_errors=True)
+        with open(os.path.join(out_dir, "args.json"), "w") as f:
+            json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
+    except OSError as e:
+        raise RunError(f"cannot write to '{out_dir}' ({e.strerror}): pass a writable --out_dir") from None
+    atexit.register(lambda: os.path.isfile(lock) and open(lock).read() == str(os.getpid()) and os.remove(lock))
+
+
+RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model.safetensors", "config.json")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def finish_run(args, algo: str, master: bool):
+    """After the final model is saved: point runs/<algo>/latest at a default run dir (relative link, swapped
+    atomically), then tear down the process group."""
+    if master and args.out_dir == os.path.join("runs", algo, os.path.basename(args.out_dir)):
+        link = os.path.join("runs", algo, "latest")
+        os.symlink(os.path.basename(args.out_dir), link + ".tmp")
+        os.replace(link + ".tmp", link)
+        print(f"{link} -> {args.out_dir}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def save_checkpoint(out_dir, step, model, optimizer, keep: int, extra: dict | None = None):
+    """Resumable checkpoint `checkpoints/step_N`: the model (HF layout), the optimizer, the step and `extra`. Written to
+    a temp dir, fsynced, then renamed into place, so a kill at any moment leaves either the complete checkpoint or
+    none; only the last `keep` are kept."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    sd = full_state_dict(model)
+    sd = gpt2.full_state_dict(model)
     opt_sd = optimizer.state_dict()
     if dist.is_initialized():
         opt_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return dist.barrier()
-    root = os.path.join(out_dir, "checkpoints")
-    tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
-    gpt2.save_model(sd, model.config, tmp)
-    state = dict(step=step, optimizer=opt_sd, rng=dict(torch=torch.get_rng_state(), numpy=np.random.get_state(),
-                 python=random.getstate()), **extra)  # fmt: skip
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    if os.path.isdir(final):
-        os.rename(final, final + ".old")
-    os.replace(tmp, final)
-    for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]:
-        import shutil
-
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        root = os.path.join(out_dir, "checkpoints")
+        tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        gpt2.save_model(sd, model.config, tmp)
+        torch.save(dict(step=step, optimizer=opt_sd, **(extra or {})), os.path.join(tmp, "state.pt"))
+        for f in os.listdir(tmp):
+            with open(os.path.join(tmp, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        if os.path.isdir(final):  # the same step saved again (a re-run after --resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        dir_fd = os.open(root, os.O_RDONLY)
+        os.fsync(dir_fd)
+        os.close(dir_fd)
+        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    root = os.path.join(out_dir, "checkpoints")
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
-    return os.path.join(root, steps[-1]) if steps else None
-
-
-def load_optimizer_state(model, optimizer, opt_sd):
+def load_checkpoint(out_dir, model, optimizer, master: bool) -> dict:
+    """--resume: load the newest complete checkpoint into the (possibly sharded) model and optimizer and return its
+    state (step and extras). A damaged one (truncated file) is skipped with a warning naming it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    if not dist.is_initialized():
-        return optimizer.load_state_dict(opt_sd)
-    set_optimizer_state_dict(model, optimizer, opt_sd, options=StateDictOptions(full_state_dict=True))
-
-
-class MetricsLogger:
-    """Rank 0 prints one status line and appends one JSON row per log step to out_dir/metrics.jsonl."""
-
-    def __init__(self, args, master: bool):
-        self.master, self.path, self.wandb = master, os.path.join(args.out_dir, "metrics.jsonl"), None
-        if master:
-            try:
-                os.makedirs(args.out_dir, exist_ok=True)
-                with open(os.path.join(args.out_dir, "args.json"), "w") as f:
-                    json.dump(asdict(args), f, indent=2)
-            except OSError as e:
-                raise PermissionError(f"cannot write to out_dir '{args.out_dir}' ({e.strerror}): pass a writable --out_dir") from None
-            if args.wandb:
-                import wandb
-
-                self.wandb = wandb.init(config=asdict(args), dir=args.out_dir)
-
-    def log(self, step: int, metrics: dict):
-        if not self.master:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        print(f"step {step:5d} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-
-
-def reduce_metrics(metrics: dict, device) -> dict:
-    """Average a dict of scalars over ranks (one all-reduce)."""
-    t = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
-    t = all_reduce(t) / (dist.get_world_size() if dist.is_initialized() else 1)
-    return dict(zip(metrics, t.tolist()))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# SFT
-
-
-def sft_loss_sums(model, query, response, pad_token_id, ctx):
-    """Summed token NLL over response tokens (to and including the stop token), and their count."""
-    mask = response_mask(response, pad_token_id)  # (B, Tr)
-    query_response = torch.cat([query, response], 1)
-    attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    with ctx:
-        # logits from the last prompt position on: position t predicts token t + 1
-        logits = model(query_response, attention_mask=attention_mask, keep_from=query.size(1) - 1)[:, :-1]  # (B,Tr,V)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), response.flatten().long(), reduction="none").view_as(mask)
-    return (nll * mask).sum(), mask.sum()
-
-
-@torch.no_grad()
-def evaluate(model, args, meta, test, prompts, rank, world_size, device, ctx):
-    """Teacher-forced loss on sft_test and, when the task has a verifier, greedy accuracy on prompt_test."""
-    model.eval()
-    pad = meta["pad_token_id"]
-    n = min(args.eval_size, len(test["query"])) // world_size * world_size  # equal shares: FSDP2 needs all ranks
-    idx = np.arange(rank, n, world_size)  # each rank a strided shard
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
-    for i in range(0, len(idx), args.micro_batch_size):
-        j = idx[i : i + args.micro_batch_size]
-        q, r = (torch.from_numpy(test[k][j]).to(device) for k in ("query", "response"))
-        loss, count = sft_loss_sums(model, *trim_padding(q, r, pad), pad, ctx)
-        sums[0] += loss
-        sums[1] += count
-    if meta.get("task") in ("arithmetic", "gsm8k"):
-        enc = data.get_encoding(meta["tokenizer"])
-        n = min(args.eval_size, len(prompts["query"])) // world_size * world_size
-        idx = np.arange(rank, n, world_size)
-        for i in range(0, len(idx), args.micro_batch_size):
-            j = idx[i : i + args.micro_batch_size]
-            q = torch.from_numpy(prompts["query"][j]).to(device)
-            q = q[:, min(int(first_true_indices((q != pad).any(0, keepdim=True))), q.size(1) - 1) :]
-            length = min(args.response_length, model.config.block_size - q.size(1))
-            with ctx:
-                resp = gpt2.generate(model, q, pad, length, meta["eos_token_id"], temperature=0.0)
-            for row, gt in zip(resp.tolist(), prompts["ground_truth"][j]):
-                text = enc.decode([t for t in row if t != pad])
-                sums[2] += data.verify(meta["task"], text, str(gt))
-                sums[3] += 1
-    all_reduce(sums)
-    model.train()
-    out = {"eval/loss": (sums[0] / sums[1]).item()}
-    if sums[3] > 0:
-        out["eval/accuracy"] = (sums[2] / sums[3]).item()
-    return out
-
-
-def main(args: Args):
-    # ---- sizes, distributed setup, seeds, logging
-    rank, world_size, device = setup_distributed()
-    master = rank == 0
-    local_batch_size = exact_div(args.batch_size, world_size, "--batch_size must divide by the number of ranks")
-    grad_accum = exact_div(local_batch_size, args.micro_batch_size, "per-rank batch (--batch_size / ranks) must divide by --micro_batch_size")
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    torch.manual_seed(args.seed)
-    logger = MetricsLogger(args, master)
-
-    # ---- data
-    meta = data.load_meta(args.data)
-    train, test = data.load_split(args.data, "sft_train"), data.load_split(args.data, "sft_test")
-    prompts = data.load_split(args.data, "prompt_test") if meta.get("task") else None
-    pad = meta["pad_token_id"]
-    n_train = len(train["query"])
-    if n_train < args.batch_size:
-        raise ValueError(f"sft_train has {n_train} examples, fewer than --batch_size {args.batch_size}")
-
-    # ---- model, optimizer
-    model = gpt2.load_model(args.model, vocab_size=meta["vocab_size"])
-    if train["query"].shape[1] + train["response"].shape[1] > model.config.block_size:
-        raise ValueError(f"prompt + response ({train['query'].shape[1]} + {train['response'].shape[1]} tokens) exceed "
-                         f"the model context {model.config.block_size}: prep with a smaller --max_query_len")  # fmt: skip
-    model.activation_checkpointing = args.activation_checkpointing
-    model.to(device)
-    if world_size > 1 or dist.is_initialized():
-        shard_model(model, device, bf16)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    # fused: one kernel for all parameters, on CPU as on CUDA (6x the default foreach step, GPT-2 124M on CPU: bench.py)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=True,
-    )  # fmt: skip
-    forward_model = torch.compile(model) if args.compile else model
-
-    # ---- resume: the model, optimizer, RNG and data order continue exactly where the checkpoint left them
-    start_step = 0
-    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
-    if args.resume and ckpt is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {args.out_dir}/checkpoints; drop --resume to start fresh")
-    if ckpt:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        sd = gpt2.load_model(ckpt).state_dict()
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True)) if dist.is_initialized() else model.load_state_dict(sd)
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-        load_optimizer_state(model, optimizer, state["optimizer"])
-        start_step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        if master:
-            print(f"resumed from {ckpt} at step {start_step}")
-
-    # SIGTERM (a cluster's preemption): finish the current step, save a checkpoint, exit
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-
-    # ---- training loop
-    # the global data order is one permutation per epoch from the seed, identical on every rank; rank r takes its
-    # contiguous slice of each global batch, so any number of ranks sees the same global batches
-    steps_per_epoch = n_train // args.batch_size
-    perm_cache = {}
-    t0, tokens = time.time(), 0
-    model.train()
-    for step in range(start_step, args.total_steps):
-        epoch, k = divmod(step, steps_per_epoch)
-        if epoch not in perm_cache:
-            perm_cache = {epoch: np.random.default_rng(args.seed + epoch).permutation(n_train)}
-        batch_idx = perm_cache[epoch][k * args.batch_size : (k + 1) * args.batch_size]
-        local_idx = batch_idx[rank * local_batch_size : (rank + 1) * local_batch_size]
-        b_query = torch.from_numpy(train["query"][local_idx]).to(device)
-        b_response = torch.from_numpy(train["response"][local_idx]).to(device)
-        # normalise by the global count of response tokens: the same update on 1 or N ranks, any micro split
-        n_tokens = all_reduce(response_mask(b_response, pad).sum().float())
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(grad_accum):
-            s = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-            if dist.is_initialized():
-                model.set_requires_gradient_sync(micro == grad_accum - 1)  # reduce-scatter once, on the last micro
-            mb_query, mb_response = trim_padding(b_query[s], b_response[s], pad)
-            nll_sum, count = sft_loss_sums(forward_model, mb_query, mb_response, pad, ctx)
-            # FSDP averages gradients over ranks, so scale by world_size to get sum / global token count
-            (nll_sum * world_size / n_tokens).backward()
-            loss_sum += nll_sum.detach()
-            tokens += int(count) + int((mb_query != pad).sum())
-        grad_norm = global_grad_norm(model.parameters())
-        loss = all_reduce(loss_sum) / n_tokens
-        if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite loss {loss.item()} or grad norm at step {step + 1}: lower --lr; "
-                                     f"the last good checkpoint (if any) is in {args.out_dir}/checkpoints")  # fmt: skip
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        eval_now = (step + 1) % args.eval_every == 0 or step + 1 == args.total_steps
-        if (step + 1) % args.log_every == 0 or step == start_step or eval_now:
-            dt = time.time() - t0
-            metrics = {"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/lr": lr_at(step, args),
-                       "perf/tokens_per_sec": all_reduce(torch.tensor(float(tokens), device=device)).item() / dt}  # fmt: skip
-            if eval_now:
-                metrics |= evaluate(model, args, meta, test, prompts, rank, world_size, device, ctx)
-            logger.log(step + 1, metrics)
-            t0, tokens = time.time(), 0
-        if eval_now or stop["now"]:
-            save_checkpoint(args.out_dir, step + 1, model, optimizer, {}, args.keep_checkpoints)
-        if stop["now"]:
+    root = os.path.join(out_dir, "checkpoints")
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+    for name in reversed(steps):
+        path = os.path.join(root, name)
+        try:
+            sd = gpt2.read_checkpoint(path)[0]
+            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        except Exception as e:  # noqa: BLE001  (safetensors and torch.load raise many kinds on a truncated file)
             if master:
-                print(f"SIGTERM: saved a checkpoint at step {step + 1}; continue with --resume", flush=True)
-            break
+                print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__}); trying the previous one", flush=True)
+            continue
+        gpt2.load_full_state_dict(model, gpt2.state_dict_from_hf(sd, model))
+        if dist.is_initialized():
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        if master:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
+            _truncate_metrics(out_dir, state["step"])
+        return state
+    raise RunError(f"--resume: no complete checkpoint in '{root}': drop --resume (and pass --overwrite) to start afresh")
 
-    # ---- save the final model in the HF GPT-2 layout (what reward.py, dpo.py, ppo.py and grpo.py load), teardown
-    sd = full_state_dict(model)
-    if master:
-        gpt2.save_model(sd, model.config, args.out_dir)
-        print(f"saved {args.out_dir}/model.safetensors")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+def _truncate_metrics(out_dir: str, step: int):
+    """Drop the metrics rows a killed run logged after its last checkpoint: they are logged again on resume."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(path):
+        rows = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(rows)
+
+
+def log_metrics(out_dir, step: int, metrics: dict, show: tuple, master: bool):
+    """Rank 0 appends one JSON row to metrics.jsonl (every metric) and prints one status line (the `show` ones)."""
+    if not master:
+        return
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+    print(f"step {step:5d} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics), flush=True)
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].log(metrics, step=step)
+
+
+def progress(items, what: str, master: bool, every: float = 5.0):
+    """Iterate over `items`, printing `what: i/n (rate/s)` on rank 0 every few seconds and at the end of a long phase."""
+    t0 = last = time.time()
+    n = len(items)
+    for i, item in enumerate(items):
+        yield item
+        now = time.time()
+        if master and (now - last > every or (i + 1 == n and now - t0 > every)):
+            print(f"{what}: {i + 1}/{n} ({(i + 1) / (now - t0):.1f}/s)", flush=True)
+            last = now
+
+
+def run(main, args):
+    """Run main(args); a RunError (or another problem the user can fix) becomes one line on rank 0 and exit code 1."""
+    try:
+        main(args)
+    except (RunError, ValueError, FileNotFoundError, FloatingPointError, PermissionError) as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    try:
-        main(args)
-    except (ValueError, FileNotFoundError, KeyError, FloatingPointError, PermissionError) as e:
-        sys.exit(f"error: {e}")
+    run(main, tyro.cli(Args))

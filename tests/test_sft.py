@@ -65,13 +65,15 @@ def test_resume_matches_uninterrupted(tmp_path):
 
 def test_sigterm_saves_checkpoint_then_resume_finishes(tmp_path):
     args = ["--out_dir", str(tmp_path), "--total_steps", "3000", "--eval_every", "100000", *SMALL]
-    p = subprocess.Popen([sys.executable, "sft.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "sft.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 120
     while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 5):
         time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
-    out = p.communicate(timeout=120)[0]
-    assert p.returncode == 0 and "SIGTERM" in out, out[-1000:]
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "SIGTERM: saved a checkpoint" in err and "--resume --out_dir" in err, err[-1000:]
+    assert not (tmp_path / "model.safetensors").exists()  # an unfinished run has no final model
     steps = sorted(os.listdir(tmp_path / "checkpoints"))
     assert steps and steps[-1].startswith("step_")
     stopped_at = int(steps[-1].split("_")[1])
@@ -114,11 +116,12 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
         (["--data", "/nonexistent/dir"], "no dataset at"),
         (["--model", "gpt3"], "no checkpoint at"),
         (["--resume"], "no checkpoint in"),
+        (["--resume", "--out_dir", ""], "--resume needs the run to continue"),
         (["--micro_batch_size", "0"], "divisible"),
     ],
 )
 def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
-    p = run(["--out_dir", str(tmp_path / "x"), "--total_steps", "2", *flags], check=False)
+    p = run(["--total_steps", "2", "--out_dir", str(tmp_path / "x"), *flags], check=False)
     assert p.returncode != 0
     assert expected in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
@@ -127,5 +130,70 @@ def test_unwritable_out_dir(tmp_path):
     (tmp_path / "file").write_text("")  # a directory cannot be made under a file, even as root
     p = run(["--out_dir", str(tmp_path / "file" / "run"), "--total_steps", "2"], check=False)
     assert p.returncode != 0
-    assert "not writable" in p.stderr or "cannot write to out_dir" in p.stderr
+    assert "cannot write to" in p.stderr and "writable --out_dir" in p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# ---- run directories (a finished run is never overwritten or mixed) and checkpoint faults
+
+
+def test_rerun_into_a_finished_run_needs_resume_or_overwrite(tmp_path):
+    common = ["--out_dir", str(tmp_path), "--total_steps", "4", "--eval_every", "4", *SMALL]
+    run(common)
+    p = run(common, check=False)
+    assert p.returncode == 1 and "already holds a run" in p.stderr and "--resume" in p.stderr and "--overwrite" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and len(metrics(tmp_path)) == 4  # the old run is untouched
+    for _ in range(3):  # the same command again and again: each replaces the last, never mixes
+        run([*common, "--overwrite", "--seed", "2"])
+        assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
+    for _ in range(3):  # and --resume of a finished run is a no-op that keeps its files
+        run([*common, "--resume"])
+        assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_default_run_dirs_are_fresh_and_latest_links_the_last_finished(tmp_path):
+    sft = str(ROOT / "sft.py")
+    common = ["--total_steps", "2", "--eval_every", "2", *SMALL]
+    for seed in ("1", "1"):  # the same seed twice in one second still gets two dirs
+        p = subprocess.run([sys.executable, sft, *common, "--seed", seed], cwd=tmp_path, env=ENV, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+    runs = sorted((d for d in os.listdir(tmp_path / "runs" / "sft") if d != "latest"), key=len)
+    assert len(runs) == 2 and os.readlink(tmp_path / "runs" / "sft" / "latest") == max(runs, key=lambda d: (d[:15], len(d)))
+    assert (tmp_path / "runs" / "sft" / "latest" / "model.safetensors").exists()
+    assert not (tmp_path / "runs" / "sft" / runs[-1] / ".lock").exists()  # removed at exit
+
+
+def test_stale_temp_dir_of_a_killed_save_is_cleaned_and_resume_continues(tmp_path):
+    common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "3", *SMALL]
+    run(["--total_steps", "4", *common])
+    # what a SIGKILL during the save of step 6 leaves: a half-written temp dir, never a step_ dir
+    stale = tmp_path / "checkpoints" / ".tmp_step_00000006"
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000004", stale)
+    (stale / "state.pt").write_bytes(b"truncated")
+    run(["--total_steps", "6", "--resume", *common])
+    assert not stale.exists() and sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "3", *SMALL]
+    run(["--total_steps", "4", *common])
+    weights = tmp_path / "checkpoints" / "step_00000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    p = run(["--total_steps", "6", "--resume", *common])
+    assert "step_00000004 is damaged" in p.stdout and "resumed from" in p.stdout and "step_00000002" in p.stdout
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]  # rows after step 2 were logged again
+    for ckpt in (tmp_path / "checkpoints").iterdir():  # now every checkpoint damaged: a one-line error
+        (ckpt / "state.pt").write_bytes(b"")
+    p = run(["--total_steps", "8", "--resume", *common], check=False)
+    assert p.returncode == 1 and "no complete checkpoint" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_second_run_into_a_locked_out_dir_stops(tmp_path):
+    (tmp_path / ".lock").write_text(str(os.getpid()))  # a live process holds the run dir
+    p = run(["--out_dir", str(tmp_path), "--total_steps", "2"], check=False)
+    assert p.returncode == 1 and f"another run (pid {os.getpid()})" in p.stderr, p.stderr
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / ".lock").write_text(dead.stdout.strip())  # its process is gone: the stale lock is ignored
+    run(["--out_dir", str(tmp_path), "--total_steps", "2", "--eval_every", "2", *SMALL])
