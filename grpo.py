@@ -1,38 +1,39 @@
 """Group Relative Policy Optimization (GRPO): PPO without a value model, advantages from a group of samples.
 
-Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G responses for each prompt from the current
-policy, score them (here with the task's verifier and/or a reward model from reward.py), and give every token of a
-response the group-normalised reward (r - mean(group)) / std(group) as its advantage. The policy is updated with the
-PPO clipped surrogate (Schulman et al. 2017) plus beta * KL(pi_theta || pi_ref) as a term IN THE LOSS (PPO-RLHF puts
-the KL in the reward instead), estimated per token from the sampled tokens.
+Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G responses per prompt from the current policy,
+score them (the task's verifier and/or a reward model from reward.py) and give every token of a response the
+group-normalised reward (r - mean(group)) / std(group) as its advantage. The update is the PPO clipped surrogate
+(Schulman et al. 2017) plus beta * KL(pi_theta || pi_ref) as a term IN THE LOSS (PPO-RLHF puts it in the reward),
+estimated per token at the sampled tokens. What the field learned since, each a flag; the defaults are plain GRPO with
+DAPO's token-mean loss (docs/variants_grpo.md: each formula, the library default it matches, published runs' flags):
+- `--kl_estimator k1|k2|k3|k4`: the KL estimate in the loss (see kl_penalty; k3 is DeepSeekMath's, k4 unbiased).
+- `--clip_eps_low/--clip_eps_high`: DAPO's clip-higher (Yu et al. 2025, arXiv 2503.14476), e.g. 0.2 / 0.28.
+- `--dynamic_sampling` (DAPO): drop groups whose rewards are all equal, refill the batch with fresh prompts.
+- `--mask_truncated` (DAPO's overlong filtering): responses that never emit the stop token are left out of the loss.
+- `--loss_aggregation token|sequence|dr_grpo`: token mean (DAPO), per-response mean (DeepSeekMath), or a constant
+  normaliser; Dr. GRPO (Liu et al. 2025, arXiv 2503.20783) is BOTH `--loss_aggregation dr_grpo` and
+  `--no-scale_rewards_by_std` (no division by the group std).
+- `--importance_level sequence`: GSPO (Zheng et al. 2025, arXiv 2507.18071), one clipped ratio per response.
+- `--advantage rloo`: the leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740).
+Deviations: sampling uses the full tempered distribution (no top-k/top-p), so pi_old's log-probs are the sampler's own
+(returned by generation); each minibatch takes an equal share of every group, the same on any number of ranks.
 
-What the field learned since, as flags:
-- `--kl_estimator k1|k2|k3|k4`: which per-token estimate of the KL is differentiated (see `kl_penalty`). DeepSeekMath
-  uses k3; its gradient is that of KL(pi_ref || pi_theta), the other direction. k4 (ratio * log(pi/pi_ref), from the
-  open-instruct GRPO thread, issue #534) has the unbiased gradient of KL(pi_theta || pi_ref) even off-policy.
-  `objective/kl` always logs the k3 value, whatever is optimised, so runs are comparable.
-- `--loss_aggregation token` (the default; DAPO, Yu et al. 2025, arXiv 2503.14476) averages over all tokens of the
-  minibatch, so long responses are not down-weighted; `sequence` is DeepSeekMath's mean per response, then over
-  responses. Both divide by GLOBAL counts, so 1 rank and N ranks compute the same update.
-- `--no-scale_rewards_by_std` is Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no division by the group std, which
-  over-weights near-unanimous groups. `--batch_norm_advantages` whitens the advantages once more over the global batch.
-- `--missing_eos_penalty`: subtract this from the score of a response that never emitted the stop token (TRL's
-  meaning; ppo.py's `--penalty_reward_value` instead replaces the score, as lm-human-preferences does).
-Deviations: sampling uses the full tempered distribution (no top-k/top-p), so the logprobs in the loss are exactly
-those of the sampler; each PPO minibatch takes an equal share of every group (so minibatches are the same on any
-number of ranks); a group of G=1 has no baseline and is refused.
-
-    python grpo.py                                     # from runs/sft (what `python sft.py` writes), arithmetic verifier
-    torchrun --nproc_per_node=2 grpo.py --beta 0.03    # the same with a KL penalty, FSDP2 over 2 ranks
-    python grpo.py --kl_estimator k4 --beta 0.1        # the unbiased-gradient KL estimator
-    python grpo.py --reward_model runs/reward --no-verifier --data DIR   # a learned reward (reward.py) instead
-    python grpo.py --resume                            # continue the run in --out_dir from its last checkpoint
+    python grpo.py                                     # from runs/sft/latest (python sft.py), arithmetic verifier
+    torchrun --nproc_per_node=2 grpo.py --beta 0.03    # with a KL penalty, FSDP2 over 2 ranks
+    python grpo.py --clip_eps_high 0.28 --dynamic_sampling --mask_truncated    # DAPO
+    python grpo.py --no-scale_rewards_by_std --loss_aggregation dr_grpo        # Dr. GRPO
+    python grpo.py --reward_model runs/reward/latest --no-verifier --data DIR  # a learned reward (reward.py)
+    python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
 
+import atexit
+import copy
+import functools
+import glob
 import json
 import math
 import os
-import random
+import shutil
 import signal
 import sys
 import time
@@ -43,7 +44,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 import tyro
 
 import data
@@ -52,22 +52,26 @@ import gpt2
 
 @dataclass
 class Args:
-    model: str = "runs/sft"
+    model: str = "runs/sft/latest"
     """policy to start from: a checkpoint dir (what `python sft.py` writes), a GPT-2 preset, or `tiny`"""
-    ref_model: str | None = None
-    """reference policy of the KL term (frozen); default: the same checkpoint as --model"""
+    ref_model: str = ""
+    """frozen reference of the KL term; default a copy of the starting --model (none at all when --beta is 0)"""
     data: str = "arithmetic"
     """`arithmetic` (the built-in offline task) or a dataset directory with prompt_{train,test} from data.prep"""
-    reward_model: str | None = None
-    """optional reward model dir written by reward.py; its normalised score is added to the verifier reward"""
+    reward_model: str = ""
+    """optional reward model dir written by reward.py; its normalised score is added to the verifier's"""
     verifier: bool = True
-    """use the task's verifier (1 correct / 0 wrong) when it has one; --no-verifier leaves the reward model alone"""
-    out_dir: str = "runs/grpo"
-    """where the model (HF safetensors layout), checkpoints, args.json and metrics.jsonl are written"""
+    """score with the task's verifier (1 correct / 0 wrong); --no-verifier leaves the reward model alone"""
+    out_dir: str = ""
+    """run directory; default a fresh runs/grpo/<time>-s<seed>, linked as runs/grpo/latest when it finishes"""
+    overwrite: bool = False
+    """delete the run already in --out_dir and start afresh"""
+    resume: bool = False
+    """continue the run in --out_dir from its last complete checkpoint"""
     seed: int = 1
     """seed for prompt order, sampling and minibatch split (identical on every rank)"""
     lr: float = 1e-5
-    """learning rate (constant); 1e-5 suits the tiny SFT model (3e-5 and 1e-4 ended below it), ~1e-6 pretrained GPT-2"""
+    """learning rate (constant); 1e-5 suits the tiny SFT model, ~1e-6 pretrained GPT-2"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold on the global gradient norm"""
     total_episodes: int = 51200
@@ -85,21 +89,35 @@ class Args:
     response_length: int = 16
     """max new tokens per response"""
     temperature: float = 1.0
-    """sampling temperature; the loss uses logprobs of logits / temperature, the distribution actually sampled"""
+    """sampling temperature; the loss uses log-probs of logits / temperature, the distribution actually sampled"""
     beta: float = 0.0
-    """KL coefficient (DeepSeekMath: 0.04; 0 = no KL term, as in DAPO and Dr. GRPO)"""
+    """KL coefficient (DeepSeekMath: 0.04); 0: no KL term, no reference model, no objective/kl (DAPO, Dr. GRPO)"""
     kl_estimator: str = "k3"
-    """per-token KL estimate differentiated in the loss: k1, k2, k3 (DeepSeekMath) or k4 (unbiased gradient)"""
-    clip_eps: float = 0.2
-    """PPO clip range of the ratio pi_theta / pi_old"""
-    loss_aggregation: str = "token"
-    """`token`: mean over all tokens of a minibatch (DAPO); `sequence`: mean per response, then over responses"""
+    """per-token KL estimate in the loss: k1, k2, k3 (DeepSeekMath) or k4 (unbiased gradient)"""
+    clip_eps_low: float = 0.2
+    """the ratio is clipped below at 1 - clip_eps_low (PPO: 0.2)"""
+    clip_eps_high: float = 0.2
+    """the ratio is clipped above at 1 + clip_eps_high (PPO: 0.2; DAPO's clip-higher: 0.28)"""
+    importance_level: str = "token"
+    """`token` (PPO/GRPO: one ratio per token) or `sequence` (GSPO: exp(mean token log-ratio) per response)"""
+    advantage: str = "grpo"
+    """`grpo`: r - mean(group) [/ std]; `rloo`: r_i - mean of the other G-1 rewards (no std division)"""
     scale_rewards_by_std: bool = True
-    """divide group-centred rewards by the group std (GRPO); --no-scale_rewards_by_std is Dr. GRPO"""
+    """divide the group-centred rewards by the group std (GRPO); --no-scale_rewards_by_std as in Dr. GRPO"""
     batch_norm_advantages: bool = False
     """whiten the advantages once more over the global batch"""
+    loss_aggregation: str = "token"
+    """`token`: sum / tokens (DAPO); `sequence`: mean per response (DeepSeekMath); `dr_grpo`: constant normaliser"""
+    mask_truncated: bool = False
+    """leave responses without a stop token out of the loss (DAPO's overlong filtering)"""
     missing_eos_penalty: float | None = None
     """subtract this from the score of responses that never emit the stop token"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal and refill the batch with fresh prompts (DAPO)"""
+    max_sampling_rounds: int = 4
+    """--dynamic_sampling: extra generation rounds per step at most; a batch still short is topped up, masked out"""
+    recompute_old_logprobs: bool = False
+    """pi_old's log-probs from a second forward pass, not the sampler's (which differ from it by bf16 rounding)"""
     eval_every: int = 50
     """steps between evals (greedy accuracy on prompt_test) and checkpoints"""
     eval_size: int = 500
@@ -108,8 +126,6 @@ class Args:
     """steps between status lines / metrics rows"""
     keep_checkpoints: int = 2
     """number of resumable checkpoints kept in out_dir/checkpoints"""
-    resume: bool = False
-    """continue from the last checkpoint in out_dir"""
     dtype: str = "auto"
     """`auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16` (autocast; FSDP2 bf16 params + fp32 reduce)"""
     compile: bool = False
@@ -119,42 +135,12 @@ class Args:
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "k4")
+CHOICES = dict(kl_estimator=KL_ESTIMATORS, importance_level=("token", "sequence"), advantage=("grpo", "rloo"),
+               loss_aggregation=("token", "sequence", "dr_grpo"))  # fmt: skip
+KL_CLAMP = 40.0  # |log pi_theta - log pi_ref| cap, as open-instruct's grpo_fast: exp(40) is finite in fp32 and bf16
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Helpers (pure tensor functions and the distributed boilerplate every script shares)
-
-
-def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
-    return a // b
-
-
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Index of the first True in each row of (B, T), or T when there is none."""
-    row_len = bools.size(-1)
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
-    return torch.min(zero_or_index, dim=-1).values
-
-
-def response_mask(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, T) bool: response tokens up to and including the first stop token."""
-    stop = first_true_indices(response == eos_token_id)
-    return torch.arange(response.size(1), device=response.device)[None, :] <= stop[:, None]
-
-
-def trim_padding(query: torch.Tensor, response: torch.Tensor, pad_token_id: int):
-    """Drop the left-pad columns every query shares and the right-pad columns every response shares (saves compute,
-    changes nothing: positions come from the mask)."""
-    q_start = int(first_true_indices((query != pad_token_id).any(0, keepdim=True)).item())
-    r_len = int(response_mask(response, pad_token_id).sum(1).max().item())
-    return query[:, min(q_start, query.size(1) - 1) :], response[:, :r_len]
-
-
-def trim_left(query: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Drop the left-pad columns every query shares (changes nothing: positions come from the mask)."""
-    start = int(first_true_indices((query != pad_token_id).any(0, keepdim=True)).item())
-    return query[:, min(start, query.size(1) - 1) :]
+# GRPO: KL estimators, group advantages, the clipped surrogate and its aggregation, log-probs
 
 
 def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator: str) -> torch.Tensor:
@@ -166,9 +152,10 @@ def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator: str) -> torc
       k3 = exp(-logr) - 1 + logr    E[(1 - pi_ref / pi) grad log pi] = -E_ref[grad log pi] = grad KL(pi_ref || pi)
       k4 = w * logr, w = pi_theta / pi_old with the gradient flowing through w (pi_old fixed): grad = w (logr + 1)
            grad log pi, and E_old[w f] = E_pi[f], so E_old[grad] = E_pi[(logr + 1) grad log pi] = grad KL for ANY
-           pi_old (later minibatches and epochs too); its value E_old[w logr] = KL is unbiased as well. (w * k3, as in
-           DeepSeek-V3.2, is unbiased too: its gradient w logr grad log pi lacks k4's zero-mean w grad log pi.)"""
-    logr = new_logprobs - ref_logprobs
+           pi_old (later minibatches and epochs too); its value E_old[w logr] = KL is unbiased as well.
+    logr is clamped to [-KL_CLAMP, KL_CLAMP] (open-instruct): past ~88, k3's exp(-logr) is inf in fp32, and then
+    beta * inf and its gradient are NaN even at beta = 0."""
+    logr = (new_logprobs - ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)
     if estimator == "k1":
         return logr
     if estimator == "k2":
@@ -180,60 +167,408 @@ def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator: str) -> torc
     raise ValueError(f"unknown --kl_estimator '{estimator}': use one of {', '.join(KL_ESTIMATORS)}")
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-4):
-    """(B,) scores of consecutive groups → (B,) advantages (r - mean(group)) [/ (std(group) + eps)] (DeepSeekMath
-    Sec. 4.1.2). A group whose rewards are all equal carries no signal: its advantages are exactly 0, never NaN."""
+def zero_std_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(P,) bool: groups whose G rewards are all equal (no learning signal: their advantages are 0)."""
+    s = scores.view(-1, group_size)
+    return (s == s[:, :1]).all(1)
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, how: str = "grpo", scale_by_std: bool = True, eps=1e-4):
+    """(B,) scores of consecutive groups → (B,) advantages, exactly 0 (never NaN) for a group of equal rewards.
+    grpo: (r - mean(group)) / (std(group) + eps), DeepSeekMath Sec. 4.1.2; without the std when not scale_by_std.
+    rloo: r_i - mean_{j != i} r_j, the leave-one-out baseline (Kool et al. 2019, Ahmadian et al. 2024): a baseline
+    independent of r_i keeps the policy gradient unbiased; it equals G / (G - 1) * (r_i - mean), no std division."""
     s = scores.view(-1, group_size)  # (P, G)
-    centred = s - s.mean(1, keepdim=True)
-    centred = centred.masked_fill((s == s[:, :1]).all(1, keepdim=True), 0.0)  # no rounding residue either
-    if scale_by_std:
+    if how == "rloo":
+        centred = s - (s.sum(1, keepdim=True) - s) / (group_size - 1)
+    else:
+        centred = s - s.mean(1, keepdim=True)
+    centred = centred.masked_fill(zero_std_groups(scores, group_size)[:, None], 0.0)  # no rounding residue either
+    if how == "grpo" and scale_by_std:
         centred = centred / (s.std(1, keepdim=True) + eps)
     return centred.flatten()
 
 
-def grpo_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: float, beta: float, estimator: str):
-    """Per-token loss (B, T): PPO-clip surrogate with the response's advantage (B,) + beta * KL estimate, and the
-    per-token pieces for logging (detached)."""
-    logratio = new_logprobs - old_logprobs
+def select_groups(scores: torch.Tensor, group_size: int, num_groups: int):
+    """Dynamic sampling (DAPO, Yu et al. 2025): of the groups of (N * G,) scores, the rows (num_groups * G,) of those
+    with reward variance, in order, then, only if too few, of zero-variance ones to keep the batch size; and whether
+    each row is in the loss (only those of groups with variance)."""
+    signal = ~zero_std_groups(scores, group_size)
+    order = torch.cat([signal.nonzero()[:, 0], (~signal).nonzero()[:, 0]])[:num_groups]  # (num_groups,)
+    rows = (order[:, None] * group_size + torch.arange(group_size, device=scores.device)).flatten()
+    return rows, signal[order].repeat_interleave(group_size)
+
+
+def loss_mask(response: torch.Tensor, eos_token_id: int, mask_truncated: bool) -> torch.Tensor:
+    """(B, T) bool: the response tokens in the loss, up to and including the stop token; with mask_truncated (DAPO's
+    overlong filtering) none of a response that never stops: its reward judges a cut-off answer, not the policy's."""
+    mask = response_mask(response, eos_token_id)
+    return mask & (response == eos_token_id).any(1, keepdim=True) if mask_truncated else mask
+
+
+def grpo_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_low, clip_high, beta, estimator,
+              importance_level="token"):  # fmt: skip
+    """Per-token loss (B, T): the clipped surrogate with the response's advantage (B,), plus beta * KL estimate when
+    there is a reference (ref_logprobs not None), and the per-token pieces for logging (detached).
+    clip range [1 - clip_low, 1 + clip_high]: PPO's symmetric one, or DAPO's clip-higher (clip_high > clip_low).
+    importance_level sequence (GSPO): one ratio per response, exp of its mean token log-ratio over `mask`, clipped
+    once per response and shared by its tokens."""
+    logratio = torch.where(mask.bool(), new_logprobs - old_logprobs, 0.0)  # (B, T) 0 past the stop token
+    token_logratio = logratio
+    if importance_level == "sequence":
+        logratio = (logratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logratio)
     ratio = torch.exp(logratio)
     pg_losses = -advantages[:, None] * ratio
-    pg_losses2 = -advantages[:, None] * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    pg_losses2 = -advantages[:, None] * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_loss = torch.max(pg_losses, pg_losses2)
-    kl = kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator)
-    stats = dict(ratio=ratio, approxkl=0.5 * logratio.square(), clipfrac=(pg_losses2 > pg_losses).float(),
-                 pg_loss=pg_loss, kl=kl)  # fmt: skip
-    return pg_loss + beta * kl, {k: v.detach() for k, v in stats.items()}
+    stats = dict(ratio=ratio, approxkl=0.5 * token_logratio.square(), clipfrac=(pg_losses2 > pg_losses).float(),
+                 pg_loss=pg_loss)  # fmt: skip
+    loss = pg_loss
+    if ref_logprobs is not None:
+        stats["kl"] = kl = kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator)
+        loss = loss + beta * kl if beta else loss
+    return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def aggregate_loss(loss, mask, how: str, n_tokens, n_seqs):
-    """Scalar loss from per-token (B, T): `token` = sum / global token count; `sequence` = per-response mean, summed
-    and divided by the global number of responses. Global counts make micro-batches and ranks add up exactly."""
+def aggregate_loss(loss, mask, how: str, n_tokens, n_seqs, constant):
+    """Scalar loss from per-token (B, T), over GLOBAL counts so micro-batches and ranks add up exactly:
+    token    sum / tokens of the minibatch (DAPO): every token weighs the same, long responses are not down-weighted
+    sequence per-response mean, summed / responses (DeepSeekMath): a token of a short response weighs more
+    dr_grpo  sum / constant = responses * response_length (Dr. GRPO): no per-batch length in the normaliser at all"""
     loss = loss * mask
     if how == "token":
         return loss.sum() / n_tokens
+    if how == "dr_grpo":
+        return loss.sum() / constant
     return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
 
 
-def forward_logprobs(model, query, response, pad_token_id, temperature, ctx, with_entropy=False):
-    """Logprobs (B, Tr) of the response tokens under logits / temperature (the distribution that was sampled) and,
-    if asked, the per-token entropy (B, Tr) of that distribution (detached), else None."""
-    attention_mask = torch.cat([query != pad_token_id, response_mask(response, pad_token_id)], 1)
+def forward_logprobs(model, query, response, pad_token_id, eos_token_id, temperature, ctx, with_entropy=False):
+    """Log-probs (B, Tr) of the response tokens under logits / temperature (the distribution that was sampled) and, if
+    asked, the per-token entropy (B, Tr) of that distribution (detached), else None. log_softmax + gather: autograd
+    keeps one (B, Tr, V) fp32 tensor (a logsumexp-based gather peaks higher on CPU); the entropy is taken a few rows
+    at a time, so it adds no (B, Tr, V) temporaries on top of it."""
+    attention_mask = torch.cat([query != pad_token_id, response_mask(response, eos_token_id)], 1)
     with ctx:
         # logits from the last prompt position on: position t predicts token t + 1
-        logits = model(torch.cat([query, response], 1), attention_mask=attention_mask, keep_from=query.size(1) - 1)[:, :-1]
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # (B, Tr, V)
-    entropy = -(logp.detach().exp() * logp.detach()).sum(-1) if with_entropy else None
+        logits = model(torch.cat([query, response], 1), attention_mask=attention_mask, keep_from=query.size(1) - 1)
+    logp = (logits[:, :-1].float() / temperature).log_softmax(-1)  # (B, Tr, V)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = torch.cat([-(rows.exp() * rows).sum(-1) for rows in logp.split(4)])
     return logp.gather(-1, response.long().unsqueeze(-1)).squeeze(-1), entropy
 
 
-def decode_responses(enc, response: torch.Tensor, eos_token_id: int) -> list[str]:
-    """Text of each response before its first stop token."""
-    stop = first_true_indices(response == eos_token_id).tolist()
-    return [enc.decode(row[:s]) for row, s in zip(response.tolist(), stop)]
+# ---------------------------------------------------------------------------------------------------------------------
+# A step's rollout: prompts, rewards, log-probs of a batch; the masks (identical copies of sft.py's)
+
+
+@torch.no_grad()
+def score_responses(reward_model, query, response, ground_truth, meta, use_verifier, micro_batch_size, eos_penalty, ctx):
+    """Rewards (B,): the task's verifier on the text before the stop token (1 / 0), + the reward model's score at the
+    last real token, - eos_penalty for a response that never emits the stop token (TRL's missing_eos_penalty)."""
+    pad, eos = meta["pad_token_id"], meta["eos_token_id"]
+    scores = torch.zeros(len(response), device=response.device)
+    if use_verifier:
+        enc, stop = data.get_encoding(meta["tokenizer"]), first_true_indices(response == eos).tolist()
+        texts = [enc.decode(row[:s]) for row, s in zip(response.tolist(), stop)]
+        correct = [data.verify(meta["task"], text, str(gt)) for text, gt in zip(texts, ground_truth)]
+        scores += torch.tensor(correct, dtype=torch.float32, device=response.device)
+    for i in range(0, len(response) if reward_model is not None else 0, micro_batch_size):
+        q, r = trim_padding(query[i : i + micro_batch_size], response[i : i + micro_batch_size], pad, eos)
+        with ctx:
+            scores[i : i + len(q)] += get_reward(reward_model, q, r, pad, eos).float()
+    if eos_penalty is not None:
+        scores -= eos_penalty * (~(response == eos).any(1)).float()
+    return scores
+
+
+@torch.no_grad()
+def batch_logprobs(model, query, response, pad_token_id, eos_token_id, temperature, micro_batch_size, ctx):
+    """forward_logprobs (B, Tr) of a whole batch, micro-batch by micro-batch, without gradients."""
+    out = torch.zeros(response.shape, device=response.device)
+    for i in range(0, len(response), micro_batch_size):
+        q, r = trim_padding(query[i : i + micro_batch_size], response[i : i + micro_batch_size], pad_token_id, eos_token_id)
+        out[i : i + len(q), : r.size(1)] = forward_logprobs(model, q, r, pad_token_id, eos_token_id, temperature, ctx)[0]
+    return out
+
+
+def step_prompts(seed: int, step: int, rnd: int, n_train: int, num_prompts: int) -> np.ndarray:
+    """Global prompt indices (P,) of one sampling round of a step, identical on every rank: round 0 takes the step's
+    slice of one permutation per epoch; extra rounds (dynamic sampling) draw P prompts keyed by (seed, step, round),
+    so a resumed run draws the same ones."""
+    if rnd:
+        return np.random.default_rng([seed, step, rnd, 1]).choice(n_train, num_prompts, replace=False)
+    epoch, k = divmod(step, n_train // num_prompts)
+    return epoch_permutation(seed, epoch, n_train)[k * num_prompts : (k + 1) * num_prompts]
+
+
+@functools.lru_cache(maxsize=1)
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True in each row of (B, T), or T when there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def response_mask(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, T) bool: response tokens up to and including the first stop token (whatever the pad token is)."""
+    stop = first_true_indices(response == eos_token_id)
+    return torch.arange(response.size(1), device=response.device)[None, :] <= stop[:, None]
+
+
+def trim_padding(query: torch.Tensor, response: torch.Tensor, pad_token_id: int, eos_token_id: int):
+    """Drop the left-pad columns every query shares and the columns after every response's stop token (saves compute,
+    changes nothing: positions come from the mask)."""
+    q_start = int(first_true_indices((query != pad_token_id).any(0, keepdim=True)).item())
+    r_len = int(response_mask(response, eos_token_id).sum(1).max().item())
+    return query[:, min(q_start, query.size(1) - 1) :], response[:, :r_len]
+
+
+def trim_left(query: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Drop the left-pad columns every query shares (changes nothing: positions come from the mask)."""
+    start = int(first_true_indices((query != pad_token_id).any(0, keepdim=True)).item())
+    return query[:, min(start, query.size(1) - 1) :]
+
+
+def gather_rows(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Every rank's (n, ...) rows stacked in rank order (world_size * n, ...) on every rank: an all-reduce of a
+    zero-filled tensor, the same on gloo and nccl (dynamic sampling moves kept groups between ranks)."""
+    if world_size == 1:
+        return x
+    out = x.new_zeros(world_size * x.size(0), *x.shape[1:])
+    out[rank * x.size(0) : (rank + 1) * x.size(0)] = x
+    return all_reduce(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# main
+
+
+def main(args: Args):
+    # ---- one-line errors for what needs nothing loaded, before any distributed setup; sizes, setup, seeds
+    check_args(args)
+    rank, world_size, device = setup_distributed()
+    master = rank == 0
+    G, P = args.num_samples_per_prompt, args.num_prompts_per_step
+    batch_size = P * G  # episodes per step, over all ranks
+    local_num_prompts = exact_div(P, world_size, "--num_prompts_per_step must divide by the number of ranks")
+    local_batch_size = local_num_prompts * G
+    samples_per_minibatch = exact_div(G, args.num_minibatches, "--num_samples_per_prompt must divide by --num_minibatches (each minibatch takes a share of every group)")  # fmt: skip
+    micro_batch_size = min(args.micro_batch_size, local_num_prompts * samples_per_minibatch)
+    grad_accum = exact_div(local_num_prompts * samples_per_minibatch, micro_batch_size, "per-rank minibatch (--num_prompts_per_step / ranks * --num_samples_per_prompt / --num_minibatches) must divide by --micro_batch_size")  # fmt: skip
+    num_steps = args.total_episodes // batch_size
+    if num_steps < 1:
+        raise RunError(f"--total_episodes {args.total_episodes} is less than one step of {batch_size} episodes")
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    torch.manual_seed(args.seed)
+
+    # ---- data and reward
+    meta = data.load_meta(args.data)
+    train, test = data.load_split(args.data, "prompt_train"), data.load_split(args.data, "prompt_test")
+    pad, eos = meta["pad_token_id"], meta["eos_token_id"]
+    use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
+    if not use_verifier and not args.reward_model:
+        raise RunError(f"no reward: task '{meta.get('task')}' has no verifier (or --no-verifier); pass --reward_model DIR written by reward.py")  # fmt: skip
+    n_train = len(train["query"])
+    if n_train < P:
+        raise RunError(f"prompt_train has {n_train} prompts, fewer than --num_prompts_per_step {P}: lower it")
+
+    # ---- models: the policy (trained), and frozen (no optimizer state): the reference, only when something uses it,
+    # a copy of the policy as loaded (so KL = 0 at step 1, --model tiny too) unless --ref_model; the reward model
+    policy = gpt2.load_model(args.model, vocab_size=meta["vocab_size"])
+    ref_policy = None
+    if args.beta > 0 or args.ref_model:
+        ref_policy = gpt2.load_model(args.ref_model, meta["vocab_size"]) if args.ref_model else copy.deepcopy(policy)
+    reward_model = load_reward_model(args.reward_model) if args.reward_model else None
+    if train["query"].shape[1] + args.response_length > policy.config.block_size:
+        raise RunError(f"prompt + response ({train['query'].shape[1]} + {args.response_length} tokens) exceed the "
+                       f"model context {policy.config.block_size}: lower --response_length")  # fmt: skip
+    frozen = [m for m in (ref_policy, reward_model) if m is not None]
+    for m in [policy, *frozen]:
+        m.to(device)
+        if dist.is_initialized():
+            shard_model(m, device, bf16)
+    for m in frozen:
+        m.eval().requires_grad_(False)
+    # fused: one kernel for all parameters, on CPU as on CUDA (see docs/benchmarks.md)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                  fused=True)  # fmt: skip
+    forward_model = torch.compile(policy) if args.compile else policy
+    args.out_dir = start_run(args, "grpo", master)
+    start_step = load_checkpoint(args.out_dir, policy, optimizer, master)["step"] if args.resume else 0
+    stop = {"now": False}  # SIGTERM (a cluster's preemption): finish the step, save a checkpoint, exit
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+
+    def evaluate() -> dict:
+        return {"eval/accuracy": greedy_accuracy(policy, test, meta, args.eval_size, local_batch_size,
+                args.response_length, rank, world_size, device, ctx)} if use_verifier else {}  # fmt: skip
+
+    if start_step == 0 and (acc := evaluate()):
+        log_metrics(args.out_dir, 0, acc, SHOW, master)  # the starting point, for before/after
+
+    # ---- training loop
+    rows = slice(rank * local_batch_size, (rank + 1) * local_batch_size)  # this rank's episodes of the global batch
+    t0, episodes = time.time(), 0
+    for step in range(start_step, num_steps):
+        eval_now = (step + 1) % args.eval_every == 0 or step + 1 == num_steps
+        log_now = (step + 1) % args.log_every == 0 or step == start_step or eval_now
+        rounds, sums = [], dict.fromkeys(("scores", "length", "stopped", "zero_std"), 0.0)  # rollout sums, all rounds
+        for rnd in range(1 + args.max_sampling_rounds * args.dynamic_sampling):
+            # 1. prompts (see step_prompts): rank r takes a contiguous slice and samples all G responses of each, so
+            #    every group lives on one rank
+            prompt_idx = step_prompts(args.seed, step, rnd, n_train, P)[rank * local_num_prompts : (rank + 1) * local_num_prompts]
+            query = torch.from_numpy(train["query"][prompt_idx]).to(device).repeat_interleave(G, 0)  # (local_bs, Tq)
+
+            # 2. generate: uniforms from one global tensor keyed by (seed, step[, round]), so each episode is sampled
+            #    with the same noise on 1 or N ranks; the sampler's own log-probs are pi_old's (no second forward pass)
+            rng = np.random.default_rng([args.seed, step] + ([rnd, 0] if rnd else []))
+            noise = rng.random((batch_size, args.response_length), dtype=np.float32)[rows]
+            with ctx:
+                response, logprobs = gpt2.generate(policy, trim_left(query, pad), pad, args.response_length, eos,
+                                                   args.temperature, noise=torch.from_numpy(noise).to(device),
+                                                   return_logprobs=True)  # (local_bs, Tr) each fmt: skip
+
+            # 3. score: verifier and/or reward model, minus the missing-eos penalty
+            scores = score_responses(reward_model, query, response, np.repeat(train["ground_truth"][prompt_idx], G),
+                                     meta, use_verifier, args.micro_batch_size, args.missing_eos_penalty, ctx)  # fmt: skip
+            for k, v in dict(scores=scores, length=response_mask(response, eos), stopped=(response == eos).any(1),
+                             zero_std=zero_std_groups(scores, G)).items():  # fmt: skip
+                sums[k] += v.sum()
+            ep = dict(query=query, response=response, logprobs=logprobs, scores=scores)
+            rounds.append({k: gather_rows(v, rank, world_size) for k, v in ep.items()} if args.dynamic_sampling else ep)
+            if not args.dynamic_sampling or sum(int((~zero_std_groups(r["scores"], G)).sum()) for r in rounds) >= P:
+                break
+        # --dynamic_sampling (DAPO): keep the first P groups with reward variance (topped up with masked zero-variance
+        # ones if the rounds ran out), laid out as without it: rank r trains the r-th contiguous slice
+        ep = {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]}
+        in_loss = torch.ones(local_batch_size, dtype=torch.bool, device=device)
+        if args.dynamic_sampling:
+            idx, in_loss = (x[rows] for x in select_groups(ep["scores"], G, P))
+            ep = {k: v[idx] for k, v in ep.items()}
+        query, response, old_logprobs, scores = ep["query"], ep["response"], ep["logprobs"], ep["scores"]
+        mask = loss_mask(response, eos, args.mask_truncated) & in_loss[:, None]  # (local_bs, Tr) tokens in the loss
+
+        # 4. advantages: normalised within each prompt's group (all of it on this rank), optionally over the batch
+        advantages = group_advantages(scores, G, args.advantage, args.scale_rewards_by_std)
+        if args.batch_norm_advantages:
+            m1, m2 = all_reduce(torch.stack([advantages.sum(), advantages.square().sum()]).double()) / batch_size
+            advantages = ((advantages - m1) / ((m2 - m1.square()).clamp(min=0).sqrt() + 1e-8)).float()
+
+        # 5. log-probs under pi_ref (only when there is one) and, with --recompute_old_logprobs, pi_old's once more
+        lp_args = (query, response, pad, eos, args.temperature, micro_batch_size, ctx)
+        ref_logprobs = batch_logprobs(ref_policy, *lp_args) if ref_policy is not None else None
+        if args.recompute_old_logprobs:
+            old_logprobs = batch_logprobs(forward_model, *lp_args)
+
+        # 6. update: num_epochs x num_minibatches optimizer steps; each minibatch takes the same share of every group,
+        #    chosen from a generator keyed by (seed, step, epoch) over the global batch, so ranks do not change it
+        upd, grad_norm_sum = dict.fromkeys(UPDATE_SUMS, 0.0), 0.0
+        for ppo_epoch in range(args.num_epochs):
+            order = np.random.default_rng([args.seed, step, ppo_epoch]).random((P, G)).argsort(1)
+            order = order[rank * local_num_prompts : (rank + 1) * local_num_prompts] + G * np.arange(local_num_prompts)[:, None]
+            for mb in range(args.num_minibatches):
+                mb_idx = torch.from_numpy(order[:, mb * samples_per_minibatch : (mb + 1) * samples_per_minibatch].flatten()).to(device)
+                # global counts, so 1 and N ranks normalise alike (clamped: a minibatch may be all masked out)
+                n_tokens, n_seqs = all_reduce(torch.stack([mask[mb_idx].sum(), mask[mb_idx].any(1).sum()]).float()).clamp(min=1)
+                for micro in range(grad_accum):
+                    idx = mb_idx[micro * micro_batch_size : (micro + 1) * micro_batch_size]
+                    if dist.is_initialized():
+                        policy.set_requires_gradient_sync(micro == grad_accum - 1)
+                    q, r = trim_padding(query[idx], response[idx], pad, eos)
+                    w, m = r.size(1), mask[idx, : r.size(1)].float()
+                    # entropy on logging steps only, from the first epoch's forward passes (no extra pass)
+                    new_logprobs, entropy = forward_logprobs(forward_model, q, r, pad, eos, args.temperature, ctx,
+                                                             with_entropy=log_now and ppo_epoch == 0)  # fmt: skip
+                    loss, st = grpo_loss(new_logprobs, old_logprobs[idx, :w], None if ref_policy is None else ref_logprobs[idx, :w],
+                                         advantages[idx], m, args.clip_eps_low, args.clip_eps_high, args.beta,
+                                         args.kl_estimator, args.importance_level)  # fmt: skip
+                    # FSDP averages gradients over ranks: scale by world_size to get the global sum / global count
+                    (aggregate_loss(loss, m, args.loss_aggregation, n_tokens, n_seqs,
+                                    P * samples_per_minibatch * args.response_length) * world_size).backward()  # fmt: skip
+                    st |= dict(ratio_sq=st["ratio"].square(), tokens=torch.ones_like(m))
+                    st |= dict(entropy=entropy, entropy_tokens=torch.ones_like(m)) if entropy is not None else {}
+                    for k, v in st.items():
+                        upd[k] += (v * m).sum()
+                # the norm clip_grad_norm_ returns is the global one, before clipping (a DTensor under FSDP2)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                if not torch.isfinite(grad_norm):
+                    raise FloatingPointError(f"non-finite loss or grad norm at step {step + 1}: lower --lr; the last "
+                                             f"good checkpoint is in {args.out_dir}/checkpoints (--resume)")  # fmt: skip
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                grad_norm_sum += grad_norm  # global already: the same on every rank, not reduced
+
+        # 7. log: named sums over the global batch, reduced once (exact means, the same on 1 or N ranks)
+        episodes += batch_size
+        if log_now:
+            if ref_policy is not None:  # KL(pi_old || pi_ref) per response token, always k3 whatever the loss uses
+                resp = response_mask(response, eos)
+                upd |= dict(k3=(kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3") * resp).sum(), resp=resp.sum())
+            s = reduce_sums(sums | upd, device)
+            metrics = step_metrics(s, len(rounds) * P, G)
+            metrics |= {"train/grad_norm": float(grad_norm_sum) / (args.num_epochs * args.num_minibatches),
+                        "perf/episodes_per_sec": episodes / (time.time() - t0)}  # fmt: skip
+            if args.dynamic_sampling:  # P groups are trained on; the zero-variance ones sampled were dropped
+                metrics |= {"objective/dropped_groups": s["zero_std"], "objective/sampling_rounds": len(rounds)}
+            log_metrics(args.out_dir, step + 1, metrics | (evaluate() if eval_now else {}), SHOW, master)
+        if eval_now or stop["now"]:
+            save_checkpoint(args.out_dir, step + 1, policy, optimizer, args.keep_checkpoints)
+        if stop["now"]:
+            raise RunError(f"SIGTERM: saved a checkpoint at step {step + 1}; continue with --resume --out_dir {args.out_dir}")
+        if log_now:
+            t0, episodes = time.time(), 0  # the rate leaves out eval and checkpoint time
+
+    # ---- save the final policy in the HF GPT-2 layout, teardown
+    sd = gpt2.full_state_dict(policy)
+    if master:
+        gpt2.save_model(sd, policy.config, args.out_dir)
+        print(f"saved {args.out_dir}/model.safetensors", flush=True)
+    finish_run(args, "grpo", master)
+
+
+def check_args(args: Args):
+    if args.model == Args.model and not os.path.isfile(os.path.join(args.model, "model.safetensors")):
+        raise RunError("no SFT model at 'runs/sft/latest': run `python sft.py` (or `python pipeline.py`) first, or pass --model DIR")  # fmt: skip
+    for flag, choices in CHOICES.items():
+        if getattr(args, flag) not in choices:
+            raise RunError(f"unknown --{flag} '{getattr(args, flag)}': use one of {', '.join(choices)}")
+    if args.num_samples_per_prompt < 2 or args.temperature <= 0:
+        raise RunError("GRPO needs --num_samples_per_prompt >= 2 (the group is the baseline) and --temperature > 0")
+
+
+def step_metrics(s: dict, n_groups: int, group_size: int) -> dict:
+    """The logged means of a step from its named sums over every rank: rollout ones per response or group sampled
+    (every round), update ones per token in the loss; the KL ones only when there is a reference."""
+    n = n_groups * group_size
+    out = {"objective/scores": s["scores"] / n, "objective/response_length": s["length"] / n,
+           "val/stop_frac": s["stopped"] / n, "objective/zero_std_frac": s["zero_std"] / n_groups,
+           "objective/entropy": s["entropy"] / max(s["entropy_tokens"], 1),
+           "val/ratio_var": s["ratio_sq"] / s["tokens"] - (s["ratio"] / s["tokens"]) ** 2}  # fmt: skip
+    out |= {name: s[k] / s["tokens"] for name, k in TOKEN_MEANS.items() if k != "kl" or "k3" in s}
+    return out | ({"objective/kl": s["k3"] / s["resp"]} if "k3" in s else {})
+
+
+UPDATE_SUMS = ("tokens", "ratio", "ratio_sq", "approxkl", "clipfrac", "pg_loss", "kl", "entropy", "entropy_tokens")
+TOKEN_MEANS = {"policy/approxkl_avg": "approxkl", "policy/clipfrac_avg": "clipfrac", "loss/policy_avg": "pg_loss",
+               "val/ratio": "ratio", "loss/kl_avg": "kl"}  # metric: per-token sum of the update, over its tokens
+SHOW = ("objective/scores", "objective/kl", "eval/accuracy", "perf/episodes_per_sec")  # the status line; metrics.jsonl has all
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reward model (copied verbatim from reward.py, which owns them) and the evaluation shared with sft.py, dpo.py, ppo.py
 
 
 class ScalarModel(gpt2.GPT):
-    """GPT-2 with a scalar head: forward(query_response, attention_mask) -> (B, T) scores, gain * score(h) + bias.
+    """GPT-2 with a scalar head: forward(query_response, attention_mask, keep_from=0) -> scores (B, T - keep_from),
+    gain * score(h) + bias at the positions from keep_from on (get_reward asks for the response's only).
 
     A subclass that adopts the backbone's modules (no copy, no re-init) rather than a wrapper, so its state dict is the
     HF GPT-2 layout plus `score.*`: gpt2.save_model writes a reward-model checkpoint as is, and FSDP2 sharding and the
@@ -250,8 +585,8 @@ class ScalarModel(gpt2.GPT):
         nn.init.zeros_(self.score.bias)
         self.reward_gain, self.reward_bias = gain, bias
 
-    def forward(self, query_response, attention_mask):
-        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True)  # (B, T, C)
+    def forward(self, query_response, attention_mask, keep_from: int = 0):
+        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True, keep_from=keep_from)
         return self.score(hidden).squeeze(-1).float() * self.reward_gain + self.reward_bias  # (B, T)
 
 
@@ -265,11 +600,52 @@ def load_reward_model(path: str) -> ScalarModel:
     return model
 
 
-def get_reward(model, query_response, attention_mask):
-    """Reward (B,) of each sequence: the score at its last real token (the stop token when the response stopped)."""
-    scores = model(query_response, attention_mask)  # (B, T)
-    last = attention_mask.size(1) - 1 - first_true_indices(attention_mask.flip(1).bool())  # (B,) last column with a 1
-    return scores.gather(1, last[:, None]).squeeze(1)
+def get_reward(model, query, response, pad_token_id: int, eos_token_id: int):
+    """Reward (B,) of each left-padded query (B, Tq) + response (B, Tr): the score at the response's first stop token
+    (its last token when it has none). Tokens after the stop token are masked whatever they are (pad may differ from
+    eos), so a response is scored the same however it is padded."""
+    mask = response_mask(response, eos_token_id)  # (B, Tr) up to and including the stop token
+    attention_mask = torch.cat([query != pad_token_id, mask], 1)
+    scores = model(torch.cat([query, response], 1), attention_mask, keep_from=query.size(1))  # (B, Tr)
+    return scores.gather(1, mask.sum(1, keepdim=True) - 1).squeeze(1)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, prompts, meta, eval_size, batch, response_length, rank, world_size, device, ctx) -> float:
+    """Fraction of held-out prompts whose greedy response the task's verifier accepts, over all ranks (each rank
+    takes a strided share; the shares are equal, as FSDP2 needs every rank in every forward)."""
+    enc, pad, eos = data.get_encoding(meta["tokenizer"]), meta["pad_token_id"], meta["eos_token_id"]
+    n = min(eval_size, len(prompts["query"])) // world_size * world_size
+    idx, correct = np.arange(rank, n, world_size), 0.0
+    was_training = model.training
+    model.eval()
+    for i in progress(range(0, len(idx), batch), "eval accuracy", rank == 0):
+        j = idx[i : i + batch]
+        q = torch.from_numpy(prompts["query"][j]).to(device)
+        q = q[:, min(int(first_true_indices((q != pad).any(0, keepdim=True))), q.size(1) - 1) :]
+        with ctx:
+            resp = gpt2.generate(model, q, pad, min(response_length, model.config.block_size - q.size(1)), eos, 0.0)
+        stop = first_true_indices(resp == eos).tolist()
+        for row, s, gt in zip(resp.tolist(), stop, prompts["ground_truth"][j]):
+            correct += data.verify(meta["task"], enc.decode(row[:s]), str(gt))
+    model.train(was_training)
+    return reduce_sums({"correct": correct}, device)["correct"] / max(n, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ---- plumbing: identical in every script (tests/test_copies.py)
+# Distributed setup, FSDP2 wrapping, run directories, checkpoints, logging and one-line errors. Nothing below is part of
+# the algorithm; it is copied verbatim between the five scripts so each one stays a single runnable file.
+
+
+class RunError(Exception):
+    """A problem the user can fix (bad flag, missing file, busy out_dir): printed as one line by rank 0, no traceback."""
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b != 0:
+        raise RunError(f"{what}: {a} is not divisible by {b}")
+    return a // b
 
 
 def setup_distributed():
@@ -289,368 +665,220 @@ def setup_distributed():
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool):
-    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit). Works for
-    a GPT or any module holding one (a reward/value model with a scalar head)."""
+    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit); bf16
+    params with fp32 gradient reduction when bf16. Works for a GPT or a reward/value model with a scalar head."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kw = dict(mesh=mesh, mp_policy=mp) if mp else dict(mesh=mesh)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in [m for m in model.modules() if isinstance(m, gpt2.Block)]:
-        fully_shard(block, **kw)
-    return fully_shard(model, **kw)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """The full (unsharded) model state dict on CPU; under FSDP2 gathered on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if not dist.is_initialized():
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place (a no-op in a single process)."""
     if dist.is_initialized():
-        dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+        dist.all_reduce(x)
     return x
 
 
-def global_grad_norm(parameters) -> torch.Tensor:
-    """Clip-free global L2 norm of the gradients (DTensor-aware)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def reduce_sums(sums: dict, device) -> dict:
+    """{name: scalar} summed over ranks with one all-reduce (stacked once, float64), returned by name."""
+    t = all_reduce(torch.stack([torch.as_tensor(v, device=device).detach().double() for v in sums.values()]))
+    return dict(zip(sums, t.tolist()))
 
 
-def save_checkpoint(out_dir, step, model, optimizer, extra, keep):
-    """Resumable checkpoint: model (HF layout), optimizer, step, RNG and data position. Written to a temp dir, then
-    renamed, so a kill mid-save never leaves a broken checkpoint; only the last `keep` are kept."""
+def start_run(args, algo: str, master: bool) -> str:
+    """Claim the run directory and return it. Default: a fresh `runs/<algo>/<time>-s<seed>`, so no run is ever
+    overwritten; `runs/<algo>/latest` links to it once it finishes (where the next stage looks by default). An explicit
+    --out_dir that already holds a run needs --resume (continue it) or --overwrite (delete it first), so two runs never
+    mix in one metrics.jsonl. A lock file holding rank 0's pid stops a second run from writing into the same dir."""
+    out_dir, error = args.out_dir or os.path.join("runs", algo, time.strftime("%Y%m%d-%H%M%S") + f"-s{args.seed}"), None
+    while master and not args.out_dir and os.path.exists(out_dir):  # two runs started in the same second
+        out_dir += "x"
+    if master:
+        try:
+            _claim(args, out_dir, algo)
+        except RunError as e:
+            error = str(e)
+    if dist.is_initialized():  # every rank takes rank 0's name (clocks differ) and fails together, never hangs
+        box = [out_dir, error]
+        dist.broadcast_object_list(box, src=0)
+        out_dir, error = box
+    if error:
+        raise RunError(error)
+    if master:
+        print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
+        if args.wandb:
+            import wandb
+
+            wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    return out_dir
+
+
+def _claim(args, out_dir: str, algo: str):
+    if args.resume and not args.out_dir:
+        raise RunError(f"--resume needs the run to continue: pass --out_dir runs/{algo}/<run> (printed at its start)")
+    lock = os.path.join(out_dir, ".lock")
+    if os.path.isfile(lock):
+        pid = int(open(lock).read().strip() or 0)
+        if pid and pid != os.getpid() and _pid_alive(pid):
+            raise RunError(f"another run (pid {pid}) is writing to '{out_dir}': wait for it or pass another --out_dir")
+    if args.resume and not glob.glob(os.path.join(out_dir, "checkpoints", "step_*")):
+        raise RunError(f"--resume: no checkpoint in '{out_dir}/checkpoints': drop --resume to start a fresh run")
+    has_run = any(os.path.exists(os.path.join(out_dir, f)) for f in RUN_FILES)
+    if has_run and not (args.resume or args.overwrite):
+        raise RunError(f"'{out_dir}' already holds a run: pass --resume to continue it, --overwrite to replace it, "
+                       "or another --out_dir")  # fmt: skip
+    try:
+        if has_run and args.overwrite and not args.resume:
+            for path in (os.path.join(out_dir, f) for f in RUN_FILES):
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
+        with open(lock, "w") as f:
+            f.write(str(os.getpid()))
+        for d in glob.glob(os.path.join(out_dir, "checkpoints", ".tmp_*")):  # a save killed half-way
+            shutil.rmtree(d, ignore_errors=True)
+        with open(os.path.join(out_dir, "args.json"), "w") as f:
+            json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
+    except OSError as e:
+        raise RunError(f"cannot write to '{out_dir}' ({e.strerror}): pass a writable --out_dir") from None
+    atexit.register(lambda: os.path.isfile(lock) and open(lock).read() == str(os.getpid()) and os.remove(lock))
+
+
+RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model.safetensors", "config.json")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def finish_run(args, algo: str, master: bool):
+    """After the final model is saved: point runs/<algo>/latest at a default run dir (relative link, swapped
+    atomically), then tear down the process group."""
+    if master and args.out_dir == os.path.join("runs", algo, os.path.basename(args.out_dir)):
+        link = os.path.join("runs", algo, "latest")
+        os.symlink(os.path.basename(args.out_dir), link + ".tmp")
+        os.replace(link + ".tmp", link)
+        print(f"{link} -> {args.out_dir}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def save_checkpoint(out_dir, step, model, optimizer, keep: int, extra: dict | None = None):
+    """Resumable checkpoint `checkpoints/step_N`: the model (HF layout), the optimizer, the step and `extra`. Written to
+    a temp dir, fsynced, then renamed into place, so a kill at any moment leaves either the complete checkpoint or
+    none; only the last `keep` are kept."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    sd = full_state_dict(model)
+    sd = gpt2.full_state_dict(model)
     opt_sd = optimizer.state_dict()
     if dist.is_initialized():
         opt_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return dist.barrier()
-    root = os.path.join(out_dir, "checkpoints")
-    tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
-    gpt2.save_model(sd, model.config, tmp)
-    state = dict(step=step, optimizer=opt_sd, rng=dict(torch=torch.get_rng_state(), numpy=np.random.get_state(),
-                 python=random.getstate()), **extra)  # fmt: skip
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    if os.path.isdir(final):
-        os.rename(final, final + ".old")
-    os.replace(tmp, final)
-    for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]:
-        import shutil
-
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        root = os.path.join(out_dir, "checkpoints")
+        tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        gpt2.save_model(sd, model.config, tmp)
+        torch.save(dict(step=step, optimizer=opt_sd, **(extra or {})), os.path.join(tmp, "state.pt"))
+        for f in os.listdir(tmp):
+            with open(os.path.join(tmp, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        if os.path.isdir(final):  # the same step saved again (a re-run after --resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        dir_fd = os.open(root, os.O_RDONLY)
+        os.fsync(dir_fd)
+        os.close(dir_fd)
+        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    root = os.path.join(out_dir, "checkpoints")
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
-    return os.path.join(root, steps[-1]) if steps else None
-
-
-def load_full_state_dict(model: torch.nn.Module, sd: dict):
-    """Load a full (unsharded) state dict into a plain or an FSDP2-sharded model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if dist.is_initialized():
-        return set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
-    model.load_state_dict(sd)
-
-
-def load_optimizer_state(model, optimizer, opt_sd):
+def load_checkpoint(out_dir, model, optimizer, master: bool) -> dict:
+    """--resume: load the newest complete checkpoint into the (possibly sharded) model and optimizer and return its
+    state (step and extras). A damaged one (truncated file) is skipped with a warning naming it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    if not dist.is_initialized():
-        return optimizer.load_state_dict(opt_sd)
-    set_optimizer_state_dict(model, optimizer, opt_sd, options=StateDictOptions(full_state_dict=True))
-
-
-class MetricsLogger:
-    """Rank 0 prints one status line and appends one JSON row per log step to out_dir/metrics.jsonl."""
-
-    def __init__(self, args, master: bool):
-        self.master, self.path, self.wandb = master, os.path.join(args.out_dir, "metrics.jsonl"), None
-        if master:
-            try:
-                os.makedirs(args.out_dir, exist_ok=True)
-                with open(os.path.join(args.out_dir, "args.json"), "w") as f:
-                    json.dump(asdict(args), f, indent=2)
-            except OSError as e:
-                raise PermissionError(f"cannot write to out_dir '{args.out_dir}' ({e.strerror}): pass a writable --out_dir") from None
-            if args.wandb:
-                import wandb
-
-                self.wandb = wandb.init(config=asdict(args), dir=args.out_dir)
-
-    def log(self, step: int, metrics: dict):
-        if not self.master:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        print(f"step {step:5d} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# GRPO
-
-
-@torch.no_grad()
-def evaluate_accuracy(model, prompts, meta, n, chunk, response_length, rank, world_size, device, ctx) -> float:
-    """Greedy accuracy with the task's verifier on the first n held-out prompts. n is a multiple of world_size and
-    every rank makes the same number of generate calls (each gathers the FSDP2 shards: a collective)."""
-    enc, pad, eos = data.get_encoding(meta["tokenizer"]), meta["pad_token_id"], meta["eos_token_id"]
-    local = n // world_size
-    idx = np.arange(rank * local, (rank + 1) * local)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(0, local, chunk):
-        j = idx[i : i + chunk]
-        q = trim_left(torch.from_numpy(prompts["query"][j]).to(device), pad)
-        with ctx:
-            resp = gpt2.generate(model, q, pad, min(response_length, model.config.block_size - q.size(1)), eos, 0.0)
-        for text, gt in zip(decode_responses(enc, resp, eos), prompts["ground_truth"][j]):
-            sums[0] += data.verify(meta["task"], text, str(gt))
-        sums[1] += len(j)
-    all_reduce(sums)
-    return (sums[0] / sums[1]).item()
-
-
-def main(args: Args):
-    # ---- sizes, distributed setup, seeds, logging
-    if args.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown --kl_estimator '{args.kl_estimator}': use one of {', '.join(KL_ESTIMATORS)}")
-    if args.loss_aggregation not in ("token", "sequence"):
-        raise ValueError(f"unknown --loss_aggregation '{args.loss_aggregation}': use token or sequence")
-    if args.num_samples_per_prompt < 2 or args.temperature <= 0:
-        raise ValueError("GRPO needs --num_samples_per_prompt >= 2 (the group is the baseline) and --temperature > 0")
-    rank, world_size, device = setup_distributed()
-    master = rank == 0
-    G = args.num_samples_per_prompt
-    batch_size = args.num_prompts_per_step * G  # episodes per step, over all ranks
-    local_num_prompts = exact_div(args.num_prompts_per_step, world_size, "--num_prompts_per_step must divide by the number of ranks")
-    local_batch_size = local_num_prompts * G
-    samples_per_minibatch = exact_div(G, args.num_minibatches, "--num_samples_per_prompt must divide by --num_minibatches (each minibatch takes a share of every group)")
-    mini_batch_size = args.num_prompts_per_step * samples_per_minibatch  # global
-    local_mini_batch_size = local_num_prompts * samples_per_minibatch
-    micro_batch_size = min(args.micro_batch_size, local_mini_batch_size)
-    grad_accum = exact_div(local_mini_batch_size, micro_batch_size,
-                           "per-rank minibatch (--num_prompts_per_step / ranks * --num_samples_per_prompt / --num_minibatches) must divide by --micro_batch_size")  # fmt: skip
-    num_steps = args.total_episodes // batch_size
-    if num_steps < 1:
-        raise ValueError(f"--total_episodes {args.total_episodes} is less than one step of {batch_size} episodes")
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    torch.manual_seed(args.seed)
-    logger = MetricsLogger(args, master)
-
-    # ---- data and reward
-    meta = data.load_meta(args.data)
-    train, test = data.load_split(args.data, "prompt_train"), data.load_split(args.data, "prompt_test")
-    pad, eos, enc = meta["pad_token_id"], meta["eos_token_id"], data.get_encoding(meta["tokenizer"])
-    use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
-    if not use_verifier and args.reward_model is None:
-        raise ValueError(f"no reward: task '{meta.get('task')}' has no verifier (or --no-verifier); pass --reward_model DIR written by reward.py")  # fmt: skip
-    n_train = len(train["query"])
-    if n_train < args.num_prompts_per_step:
-        raise ValueError(f"prompt_train has {n_train} prompts, fewer than --num_prompts_per_step {args.num_prompts_per_step}")
-
-    # ---- models: the policy (trained), the reference policy and the reward model (frozen, no optimizer state)
-    if args.model == Args.model and not os.path.exists(args.model):
-        raise FileNotFoundError(f"no SFT model at '{args.model}': run `python sft.py` first or pass --model DIR")
-    policy = gpt2.load_model(args.model, vocab_size=meta["vocab_size"])
-    ref_policy = gpt2.load_model(args.ref_model or args.model, vocab_size=meta["vocab_size"])
-    reward_model = load_reward_model(args.reward_model) if args.reward_model else None
-    if train["query"].shape[1] + args.response_length > policy.config.block_size:
-        raise ValueError(f"prompt + response ({train['query'].shape[1]} + {args.response_length} tokens) exceed the "
-                         f"model context {policy.config.block_size}: lower --response_length")  # fmt: skip
-    # dropout is 0 in every model gpt2.load_model builds: logprobs of the same tokens agree between passes
-    frozen = [m for m in (ref_policy, reward_model) if m is not None]
-    for m in [policy, *frozen]:
-        m.to(device)
-        if dist.is_initialized():
-            shard_model(m, device, bf16)
-    for m in frozen:
-        m.eval().requires_grad_(False)
-    # fused: one kernel for all parameters, on CPU as on CUDA (6x the default foreach step, GPT-2 124M on CPU: bench.py)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                  fused=True)  # fmt: skip
-    forward_model = torch.compile(policy) if args.compile else policy
-
-    # ---- resume: the model and optimizer continue where the checkpoint left them; sampling is seeded by the step
-    start_step = 0
-    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
-    if args.resume and ckpt is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {args.out_dir}/checkpoints; drop --resume to start fresh")
-    if ckpt:
-        load_full_state_dict(policy, gpt2.load_model(ckpt).state_dict())
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-        load_optimizer_state(policy, optimizer, state["optimizer"])
-        start_step = state["step"]
-        if master:
-            print(f"resumed from {ckpt} at step {start_step}")
-
-    # SIGTERM (a cluster's preemption): finish the current step, save a checkpoint, exit
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-
-    eval_n = min(args.eval_size, len(test["query"])) // world_size * world_size
-
-    def evaluate():
-        if not (use_verifier and eval_n):
-            return None
-        return evaluate_accuracy(policy, test, meta, eval_n, local_batch_size, args.response_length, rank, world_size,
-                                 device, ctx)  # fmt: skip
-
-    if start_step == 0 and (acc := evaluate()) is not None:
-        logger.log(0, {"eval/accuracy": acc})  # the starting point, for before/after
-
-    # ---- training loop
-    steps_per_epoch = n_train // args.num_prompts_per_step
-    rows = slice(rank * local_batch_size, (rank + 1) * local_batch_size)
-    perm_cache = {}
-    for step in range(start_step, num_steps):
-        t0 = time.time()
-        # 1. the global prompt batch: one permutation per epoch, identical on every rank; rank r takes its contiguous
-        #    slice of prompts and samples all G responses of each, so every group lives on one rank
-        epoch, k = divmod(step, steps_per_epoch)
-        if epoch not in perm_cache:
-            perm_cache = {epoch: np.random.default_rng([args.seed, epoch]).permutation(n_train)}
-        prompt_idx = perm_cache[epoch][k * args.num_prompts_per_step : (k + 1) * args.num_prompts_per_step]
-        prompt_idx = prompt_idx[rank * local_num_prompts : (rank + 1) * local_num_prompts]
-        query = trim_left(torch.from_numpy(train["query"][prompt_idx]).to(device), pad).repeat_interleave(G, 0)  # (local_bs, Tq)
-        ground_truth = np.repeat(train["ground_truth"][prompt_idx], G)
-
-        # 2. generate: the uniforms come from one global tensor seeded by (seed, step), so each episode is sampled
-        #    with the same noise on 1 or N ranks
-        noise = np.random.default_rng([args.seed, step]).random((batch_size, args.response_length), dtype=np.float32)
-        with ctx:
-            response = gpt2.generate(policy, query, pad, args.response_length, eos, args.temperature,
-                                     noise=torch.from_numpy(noise[rows]).to(device))  # (local_bs, Tr) fmt: skip
-        mask = response_mask(response, eos)  # (local_bs, Tr) to and including the stop token
-        stopped = (response == eos).any(1)
-
-        # 3. score: the verifier on the text before the stop token, + the reward model's score at the last real token,
-        #    - the missing-eos penalty
-        scores = torch.zeros(local_batch_size, device=device)
-        if use_verifier:
-            texts = decode_responses(enc, response, eos)
-            scores += torch.tensor([data.verify(meta["task"], t, str(g)) for t, g in zip(texts, ground_truth)], device=device)
-        if reward_model is not None:
-            with torch.no_grad(), ctx:
-                for i in range(0, local_batch_size, args.micro_batch_size):
-                    s = slice(i, i + args.micro_batch_size)
-                    q, r = trim_padding(query[s], response[s], pad)
-                    scores[s] += get_reward(reward_model, torch.cat([q, r], 1), torch.cat([q != pad, mask[s, : r.size(1)]], 1)).float()
-        if args.missing_eos_penalty is not None:
-            scores -= args.missing_eos_penalty * (~stopped).float()
-
-        # 4. advantages: normalised within each prompt's group (all of it on this rank), optionally over the batch
-        advantages = group_advantages(scores, G, args.scale_rewards_by_std)
-        if args.batch_norm_advantages:
-            m1, m2 = all_reduce(torch.stack([advantages.sum(), advantages.square().sum()]).double()) / batch_size
-            advantages = ((advantages - m1) / ((m2 - m1.square()).clamp(min=0).sqrt() + 1e-8)).float()
-
-        # 5. logprobs of the responses under the sampling policy (pi_old: the ratio's denominator, so the first
-        #    minibatch has ratio 1) and under the reference policy, both at the sampling temperature
-        old_logprobs, ref_logprobs, entropy = (torch.zeros(response.shape, device=device) for _ in range(3))
-        with torch.no_grad():
-            for i in range(0, local_batch_size, args.micro_batch_size):
-                s = slice(i, i + args.micro_batch_size)
-                q, r = trim_padding(query[s], response[s], pad)
-                w = r.size(1)
-                old_logprobs[s, :w], entropy[s, :w] = forward_logprobs(forward_model, q, r, pad, args.temperature, ctx, True)
-                ref_logprobs[s, :w] = forward_logprobs(ref_policy, q, r, pad, args.temperature, ctx)[0]
-
-        # 6. update: num_epochs x num_minibatches optimizer steps; each minibatch takes the same share of every group,
-        #    chosen from a generator seeded by (seed, step, epoch) over the global batch, so ranks do not change it
-        upd = torch.zeros(7, dtype=torch.float64, device=device)  # tokens, ratio, ratio^2, approxkl, clipfrac, pg, kl
-        grad_norms = []
-        for ppo_epoch in range(args.num_epochs):
-            order = np.random.default_rng([args.seed, step, ppo_epoch]).random((args.num_prompts_per_step, G)).argsort(1)
-            order = order[rank * local_num_prompts : (rank + 1) * local_num_prompts] + G * np.arange(local_num_prompts)[:, None]
-            for mb in range(args.num_minibatches):
-                mb_idx = torch.from_numpy(order[:, mb * samples_per_minibatch : (mb + 1) * samples_per_minibatch].flatten()).to(device)
-                n_tokens = all_reduce(mask[mb_idx].sum().float())  # global, so 1 and N ranks normalise alike
-                for micro in range(grad_accum):
-                    idx = mb_idx[micro * micro_batch_size : (micro + 1) * micro_batch_size]
-                    if dist.is_initialized():
-                        policy.set_requires_gradient_sync(micro == grad_accum - 1)
-                    q, r = trim_padding(query[idx], response[idx], pad)
-                    w = r.size(1)
-                    new_logprobs = forward_logprobs(forward_model, q, r, pad, args.temperature, ctx)[0]
-                    loss, st = grpo_loss(new_logprobs, old_logprobs[idx, :w], ref_logprobs[idx, :w], advantages[idx],
-                                         args.clip_eps, args.beta, args.kl_estimator)  # fmt: skip
-                    m = mask[idx, :w].float()
-                    # FSDP averages gradients over ranks: scale by world_size to get the global sum / global count
-                    (aggregate_loss(loss, m, args.loss_aggregation, n_tokens, mini_batch_size) * world_size).backward()
-                    per_token = (st["ratio"], st["ratio"].square(), st["approxkl"], st["clipfrac"], st["pg_loss"], st["kl"])
-                    upd += torch.stack([m.sum(), *((v * m).sum() for v in per_token)]).double()
-                grad_norm = global_grad_norm(policy.parameters())
-                if not torch.isfinite(grad_norm):
-                    raise FloatingPointError(f"non-finite grad norm at step {step}: lower --lr; "
-                                             f"the last good checkpoint is in {args.out_dir}/checkpoints")  # fmt: skip
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                grad_norms.append(grad_norm.item())
-
-        # 7. log: sums over the global batch, reduced once (exact means, the same on 1 or N ranks)
-        eval_now = (step + 1) % args.eval_every == 0 or step + 1 == num_steps
-        if (step + 1) % args.log_every == 0 or step == start_step or eval_now:
-            k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3")
-            groups = scores.view(-1, G)
-            roll = torch.stack([scores.sum(), mask.sum(), (k3 * mask).sum(), (entropy * mask).sum(), stopped.sum(),
-                                (groups == groups[:, :1]).all(1).sum()]).double()  # fmt: skip
-            roll, upd = all_reduce(roll), all_reduce(upd)
-            metrics = {
-                "objective/scores": roll[0].item() / batch_size,
-                "objective/kl": (roll[2] / roll[1]).item(),
-                "objective/entropy": (roll[3] / roll[1]).item(),
-                "objective/response_length": roll[1].item() / batch_size,
-                "val/stop_frac": roll[4].item() / batch_size,
-                "objective/zero_std_frac": roll[5].item() / args.num_prompts_per_step,
-                "policy/approxkl_avg": (upd[3] / upd[0]).item(),
-                "policy/clipfrac_avg": (upd[4] / upd[0]).item(),
-                "loss/policy_avg": (upd[5] / upd[0]).item(),
-                "loss/kl_avg": (upd[6] / upd[0]).item(),
-                "val/ratio": (upd[1] / upd[0]).item(),
-                "val/ratio_var": (upd[2] / upd[0] - (upd[1] / upd[0]).square()).item(),
-                "train/grad_norm": float(np.mean(grad_norms)),
-                "perf/episodes_per_sec": batch_size / (time.time() - t0),
-            }
-            if eval_now and (acc := evaluate()) is not None:
-                metrics["eval/accuracy"] = acc
-            logger.log(step + 1, metrics)
-        if eval_now or stop["now"]:
-            save_checkpoint(args.out_dir, step + 1, policy, optimizer, {}, args.keep_checkpoints)
-        if stop["now"]:
+    root = os.path.join(out_dir, "checkpoints")
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+    for name in reversed(steps):
+        path = os.path.join(root, name)
+        try:
+            sd = gpt2.read_checkpoint(path)[0]
+            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        except Exception as e:  # noqa: BLE001  (safetensors and torch.load raise many kinds on a truncated file)
             if master:
-                print(f"SIGTERM: saved a checkpoint at step {step + 1}; continue with --resume", flush=True)
-            break
+                print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__}); trying the previous one", flush=True)
+            continue
+        gpt2.load_full_state_dict(model, gpt2.state_dict_from_hf(sd, model))
+        if dist.is_initialized():
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        if master:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
+            _truncate_metrics(out_dir, state["step"])
+        return state
+    raise RunError(f"--resume: no complete checkpoint in '{root}': drop --resume (and pass --overwrite) to start afresh")
 
-    # ---- save the final policy in the HF GPT-2 layout, teardown
-    sd = full_state_dict(policy)
-    if master:
-        gpt2.save_model(sd, policy.config, args.out_dir)
-        print(f"saved {args.out_dir}/model.safetensors")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+def _truncate_metrics(out_dir: str, step: int):
+    """Drop the metrics rows a killed run logged after its last checkpoint: they are logged again on resume."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(path):
+        rows = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(rows)
+
+
+def log_metrics(out_dir, step: int, metrics: dict, show: tuple, master: bool):
+    """Rank 0 appends one JSON row to metrics.jsonl (every metric) and prints one status line (the `show` ones)."""
+    if not master:
+        return
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+    print(f"step {step:5d} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics), flush=True)
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].log(metrics, step=step)
+
+
+def progress(items, what: str, master: bool, every: float = 5.0):
+    """Iterate over `items`, printing `what: i/n (rate/s)` on rank 0 every few seconds and at the end of a long phase."""
+    t0 = last = time.time()
+    n = len(items)
+    for i, item in enumerate(items):
+        yield item
+        now = time.time()
+        if master and (now - last > every or (i + 1 == n and now - t0 > every)):
+            print(f"{what}: {i + 1}/{n} ({(i + 1) / (now - t0):.1f}/s)", flush=True)
+            last = now
+
+
+def run(main, args):
+    """Run main(args); a RunError (or another problem the user can fix) becomes one line on rank 0 and exit code 1."""
+    try:
+        main(args)
+    except (RunError, ValueError, FileNotFoundError, FloatingPointError, PermissionError) as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    try:
-        main(args)
-    except (ValueError, FileNotFoundError, KeyError, FloatingPointError, PermissionError) as e:
-        sys.exit(f"error: {e}")
+    run(main, tyro.cli(Args))
