@@ -6,7 +6,8 @@
    with an attention mask (temperature 1, top_k 0, no stop token: both sample exactly B x new_tokens), and whether
    greedy fp32 outputs are identical.
 3. memory: per-rank bytes of parameters + Adam states and peak memory of ppo.py's four models (policy, value,
-   reference, reward) under FSDP2 on 1 and 2 ranks, one `torchrun` worker launch per rank count.
+   reference, reward) under FSDP2 on 1 and 2 ranks, one `torchrun` worker launch per rank count (sharded by a copy
+   of the scripts' own `shard_model`).
 4. optimizer: one AdamW step over each preset's parameters, torch's three implementations (for-loop, foreach,
    fused) side by side: the scripts use fused on CPU and CUDA.
 5. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s (CUDA only).
@@ -16,9 +17,10 @@ ratio is the median over turns of the ratio within one turn, printed with its ra
 one turn's ratio for GPT-2 124M ranged 0.5-1.5). Weights are random (speed does not depend on them). transformers is
 a benchmark-only dependency: pip install -r requirements-test.txt.
 
-    python bench.py                                   # everything, CPU-sized: a few minutes on 2 cores
-    python bench.py --sections forward --presets tiny --compile --out bench.json
-    python bench.py --sections memory --memory_preset gpt2-medium
+    python experiments/bench.py                       # everything, CPU-sized: a few minutes on 2 cores
+    python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
+    python experiments/bench.py --sections memory --memory_preset gpt2-medium
+    python experiments/bench.py --sections optimizer --presets tiny --repeats 3     # a smoke run (seconds)
 """
 
 import json
@@ -37,8 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
-import gpt2
-from ppo import setup_distributed, shard_model  # measure exactly the sharding ppo.py does
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # gpt2.py lives at the repository root
+
+import gpt2  # noqa: E402
 
 SECTIONS = ("forward", "generate", "memory", "optimizer", "cuda")
 TINY_VOCAB = 257  # the offline arithmetic task's byte tokenizer; the other presets keep GPT-2's 50257
@@ -84,6 +88,37 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+# setup_distributed and shard_model: copied from the scripts' plumbing section, so the memory section measures exactly
+# the sharding they do (experiments import no top-level script)
+def setup_distributed():
+    """torchrun → process group (nccl on CUDA, gloo on CPU); plain python → a single process. Returns
+    (rank, world_size, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, world_size, device
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool):
+    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit); bf16
+    params with fp32 gradient reduction when bf16. Works for a GPT or a reward/value model with a scalar head."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for block in [m for m in model.modules() if isinstance(m, gpt2.Block)]:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def parse_shape(s: str, n: int, flag: str) -> list[int]:

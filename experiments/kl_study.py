@@ -6,10 +6,16 @@ over the last few logged steps because one batch's estimate is noisy) and the fi
 (open-instruct issue #534): with k2, k3 and k4 the KL falls as beta grows; k1's gradient is zero in expectation, so
 k1 in the loss does not control the KL. beta = 0 has no KL term, so it is run once and shared by every estimator.
 
-    python kl_study.py                                        # from runs/sft (what `python sft.py` writes)
-    python kl_study.py --model runs/sft --betas 0 0.1 0.3 --total_episodes 20480
-    python kl_study.py --grpo_args="--seed 2" --out_dir runs/kl_study_seed2   # other grpo.py flags for every run
+Each run is `python grpo.py ... --out_dir OUT_DIR/<estimator>_beta<beta>` (a subprocess: nothing is imported from
+grpo.py). A finished run made with the same flags is reused; a run that was interrupted or made with other flags is
+rerun with grpo.py's --overwrite (--overwrite here reruns every one).
+
+    python experiments/kl_study.py                                # from runs/sft/latest (what `python sft.py` links)
+    python experiments/kl_study.py --model runs/sft/latest --betas 0 0.1 0.3 --total_episodes 20480
+    python experiments/kl_study.py --grpo_args="--seed 2" --out_dir runs/kl_study_seed2   # grpo.py flags for every run
                                                     # (with `=`: a value starting with -- is otherwise read as a flag)
+    python experiments/kl_study.py --estimators k1 k3 --betas 0 0.1 --total_episodes 512 \\
+        --grpo_args="--eval_size 16" --out_dir /tmp/kl_smoke                  # a smoke run: 2 steps per config
 """
 
 import json
@@ -21,13 +27,17 @@ from dataclasses import dataclass
 
 import tyro
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # grpo.py lives at the repository root
+
 
 @dataclass
 class Args:
-    model: str = "runs/sft"
+    model: str = "runs/sft/latest"
     """policy (and reference) every run starts from"""
     out_dir: str = "runs/kl_study"
-    """one grpo.py run directory per (estimator, beta) below this; a finished run is reused, not repeated"""
+    """one grpo.py run directory per (estimator, beta) below this"""
+    overwrite: bool = False
+    """rerun every configuration, even those whose finished run would be reused"""
     estimators: tuple[str, ...] = ("k1", "k2", "k3", "k4")
     """KL estimators to compare"""
     betas: tuple[float, ...] = (0.0, 0.03, 0.1)
@@ -41,7 +51,7 @@ class Args:
 
 
 def summarize(run_dir: str, last: int) -> dict:
-    """Final KL (mean of the last logged steps), scores and the last eval accuracy of one run's metrics.jsonl."""
+    """Final KL (mean of the last logged steps), scores and the first and last eval accuracy of one run's metrics."""
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in rows if "objective/kl" in r][-last:]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
@@ -50,20 +60,28 @@ def summarize(run_dir: str, last: int) -> dict:
 
 
 def main(args: Args):
+    if not os.path.isfile(os.path.join(ROOT, "grpo.py")):
+        sys.exit(f"error: no grpo.py in {ROOT}: run this file from its place in the repository (experiments/)")
+    if not os.path.exists(args.model):
+        sys.exit(f"error: no SFT model at '{args.model}': run `python sft.py` first, or pass --model DIR")
     results = {}
     for beta in args.betas:
         for est in args.estimators if beta > 0 else ["any"]:
             run_dir = os.path.join(args.out_dir, f"{est}_beta{beta:g}")
-            if not os.path.isfile(os.path.join(run_dir, "model.safetensors")):  # finished runs are reused
-                cmd = [sys.executable, "grpo.py", "--model", args.model, "--out_dir", run_dir, "--beta", str(beta),
-                       "--kl_estimator", "k3" if est == "any" else est, "--total_episodes", str(args.total_episodes),
-                       "--eval_every", "1000000", "--log_every", "1", *shlex.split(args.grpo_args)]  # fmt: skip
-                print(" ".join(cmd[1:]), flush=True)
-                if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-                    os.remove(os.path.join(run_dir, "metrics.jsonl"))  # an interrupted run starts over
-                p = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+            # --ref_model: grpo.py builds no reference at beta 0 unless given one, and objective/kl needs it
+            flags = ["--model", args.model, "--ref_model", args.model, "--beta", str(beta),
+                     "--kl_estimator", "k3" if est == "any" else est, "--total_episodes", str(args.total_episodes),
+                     "--eval_every", "1000000", "--log_every", "1", *shlex.split(args.grpo_args)]  # fmt: skip
+            marker = os.path.join(run_dir, "kl_study_flags.json")  # the flags of the run in run_dir, once it finished
+            done = os.path.isfile(os.path.join(run_dir, "model.safetensors")) and os.path.isfile(marker)
+            if args.overwrite or not done or json.load(open(marker)) != flags:
+                cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *flags, "--out_dir", run_dir, "--overwrite"]
+                print("python grpo.py " + " ".join(cmd[2:]), flush=True)
+                p = subprocess.run(cmd, capture_output=True, text=True)
                 if p.returncode != 0:
                     sys.exit(f"error: run {run_dir} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+                with open(marker, "w") as f:
+                    json.dump(flags, f)
             results[est, beta] = summarize(run_dir, args.last)
 
     print(f"\nfinal objective/kl (k3 per token, mean of the last {args.last} steps) and greedy eval accuracy "

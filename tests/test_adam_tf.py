@@ -1,5 +1,7 @@
-"""AdamTF against TensorFlow's numbers, against its own formula, against torch.optim.Adam, and under FSDP2."""
+"""AdamTF against TensorFlow's numbers, against its own formula, against torch.optim.Adam, and under FSDP2; and a cheap
+run of experiments/adam_difference.py, the study built on it."""
 
+import json
 import math
 import os
 import subprocess
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 from adam_tf import AdamTF, adam_tf_step  # noqa: E402
 
 G = [0.1, -0.2, 0.3, 1e-6, 1e-4]  # the same gradient at every step, from x = 0
@@ -116,6 +119,24 @@ def test_bad_hyperparameters_raise():
         AdamTF(p, betas=(1.0, 0.999))
     with pytest.raises(ValueError, match="eps"):
         AdamTF(p, eps=-1e-8)
+
+
+def test_adam_difference_experiment_goes_from_1x_to_large(tmp_path):
+    # The study's two ends on a random tiny model (8 rollouts, one seed): eps far below every |g| makes both optimizers
+    # take ~lr * sign(g) steps (ratio ~1); eps far above them makes both linear in g, TF's 31.6x more damped, so the
+    # parameter steps differ by ~31.6x (never more: 1 / sqrt(1 - beta2) is the bound) and approxkl by far more.
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "experiments" / "adam_difference.py"), "--model", "random:tiny", "--reward",
+           "random", "--seeds", "1", "--batch_size", "8", "--eps", "1e-9", "1e-1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "approxkl torch/TF" in proc.stdout
+    (seed,) = json.loads(out.read_text())["seeds"]
+    low, high = seed["sweep"]
+    assert 0 < seed["grad"]["p10"] < seed["grad"]["median"] < seed["grad"]["p90"]
+    assert low["approxkl_torch"] > 0 and abs(low["approxkl_torch"] / low["approxkl_tf"] - 1) < 0.05, low
+    assert high["approxkl_torch"] / high["approxkl_tf"] > 100, high
+    assert 20 < high["dtheta_torch"] / high["dtheta_tf"] <= 1 / math.sqrt(1 - 0.999) + 1e-9, high
 
 
 def _tiny_model():
