@@ -31,11 +31,14 @@ def definitions(path: Path) -> dict[str, str]:
 
 def test_shared_helpers_identical():
     sources = defaultdict(dict)
-    for name in SCRIPTS + ["adam_tf.py"]:
+    for name in SCRIPTS:
         for fn, src in definitions(ROOT / name).items():
             sources[fn][name] = src
+    # adam_tf.py is the optimizer's reference (with its argument checks); ppo.py's AdamTF is trimmed, its step is not
+    sources["adam_tf_step"]["adam_tf.py"] = definitions(ROOT / "adam_tf.py")["adam_tf_step"]
     shared = {fn: files for fn, files in sources.items() if len(files) > 1}
-    for must in ("setup_distributed", "save_checkpoint", "first_true_indices", "response_mask", "greedy_accuracy"):
+    for must in ("setup_distributed", "save_checkpoint", "first_true_indices", "response_mask", "greedy_accuracy",
+                 "adam_tf_step", "get_reward"):
         assert must in shared, f"{must} is no longer shared: did a script rename it?"
     drifted = [f"{fn}: {sorted(files)}" for fn, files in shared.items() if len(set(files.values())) > 1]
     assert not drifted, "copies drifted (make them identical): " + "; ".join(drifted)

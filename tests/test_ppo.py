@@ -1,12 +1,14 @@
-"""ppo.py: GAE vs a loop, masked whitening, the KL controller, PPO invariants, the inline AdamTF, a tiny end-to-end run
-(adaptive KL, checkpoints, resume == uninterrupted), 1 rank == 2 ranks (FSDP2, gloo), one-line errors for bad flags."""
+"""ppo.py: GAE vs a loop, masked whitening, the KL controller, the per-token rewards and missing-stop penalty, log-probs
+and entropy at the temperature, PPO invariants, the inline AdamTF vs adam_tf.py, pad != eos, a tiny end-to-end run
+(adaptive KL, checkpoints, resume == uninterrupted), the reference = the starting policy (KL 0 at the first update, also
+for a random `tiny`), 1 process == 2 ranks (FSDP2, gloo) and resume under FSDP2, one-line errors."""
 
-import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -19,12 +21,16 @@ import gpt2  # noqa: E402
 import ppo  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+EOS = 256  # the bytes tokenizer's <|endoftext|>
 
 
 def random_mask(B=6, T=9, seed=0):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     return torch.arange(T)[None, :] < lengths[:, None], gen
+
+
+# ---- the math against loops and formulas
 
 
 @pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 0.0)])
@@ -60,6 +66,29 @@ def test_adaptive_kl_controller_formula():
     assert ppo.adaptive_kl_coef(0.1, 0.3, 0.3, 64, 10000) == 0.1
 
 
+def test_per_token_rewards_and_missing_stop_penalty():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool()
+    logprobs, ref = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-1.0] * 4]), torch.tensor([[-1.5, -1.0, -0.5, 7.0], [-2.0] * 4])
+    rewards, non_score, kl = ppo.per_token_rewards(torch.tensor([3.0, -1.0]), logprobs, ref, mask, 0.1)
+    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0] * 4]))  # 0 after the last real token
+    torch.testing.assert_close(non_score, -0.1 * kl)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1, 3.0, 0.0], [-0.1, -0.1, -0.1, -1.1]]))
+    response = torch.tensor([[5, EOS, EOS], [5, 6, 7]])  # the second never stops
+    scores = torch.tensor([2.0, 2.0])
+    assert ppo.penalised_scores(scores, response, EOS, -1.0).tolist() == [2.0, -1.0]
+    assert ppo.penalised_scores(scores, response, EOS, None).tolist() == [2.0, 2.0]
+
+
+def test_logprobs_and_entropy_at_the_sampling_temperature():
+    logits, labels = torch.randn(2, 3, 5, requires_grad=True), torch.randint(0, 5, (2, 3))
+    logprobs, entropy = ppo.logprobs_from_logits(logits, labels, 0.7, with_entropy=True)
+    p = torch.softmax(logits.detach() / 0.7, -1)
+    torch.testing.assert_close(logprobs.detach(), p.gather(-1, labels[..., None]).squeeze(-1).log())
+    torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
+    assert logprobs.requires_grad and not entropy.requires_grad  # the entropy is a statistic, not part of the loss
+    assert ppo.logprobs_from_logits(logits, labels, 0.7)[1] is None
+
+
 def test_ppo_losses():
     mask, gen = random_mask()
     logprobs, adv = -torch.rand(mask.shape, generator=gen), torch.randn(mask.shape, generator=gen)
@@ -73,9 +102,52 @@ def test_ppo_losses():
     assert vclip.tolist() == [False, True]
 
 
-def test_inline_adam_tf_is_adam_tf_py():  # also in tests/test_copies.py, which passes when ppo.py lacks them
-    for name in ("adam_tf_step", "AdamTF"):
-        assert inspect.getsource(getattr(ppo, name)) == inspect.getsource(getattr(adam_tf, name))
+def test_inline_adam_tf_steps_like_adam_tf_py():  # tests/test_copies.py checks that the source is the same
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    copies = [[p.detach().clone().requires_grad_() for p in params] for _ in range(2)]
+    opts = [ppo.AdamTF(copies[0], lr=1e-2, eps=1e-5), adam_tf.AdamTF(copies[1], lr=1e-2, eps=1e-5)]
+    for _ in range(3):
+        grads = [torch.randn_like(p) * 1e-3 for p in params]
+        for ps, opt in zip(copies, opts):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, p in zip(*copies, params):
+        assert torch.equal(a, b) and not torch.equal(a, p)
+
+
+# ---- pad != eos: masks come from the first stop token, never from the pad id
+
+
+def test_pad_other_than_eos_gives_the_same_rollout():
+    """A batch padded with 257 (an id that is not the stop token) gives the same samples, log-probs, values and
+    scores on the real tokens as the same batch padded with the stop token."""
+    torch.manual_seed(0)
+    cfg = gpt2.make_config("tiny", 258)
+    policy, value, reward = gpt2.GPT(cfg).eval(), ppo.ScalarModel(gpt2.GPT(cfg)).eval(), ppo.ScalarModel(gpt2.GPT(cfg)).eval()
+    prompts, noise = [[7, 8, 9], [10, 11], [12]], torch.rand(3, 5)
+    responses = [[20, 21, EOS], [22, EOS], [23, 24, 25, 26, 27]]  # stop at 2, at 1, never
+
+    def rollout(pad):
+        query = torch.tensor([[pad] * (3 - len(p)) + p for p in prompts])
+        response = torch.tensor([r + [pad] * (5 - len(r)) for r in responses])
+        sampled = gpt2.generate(policy, query, pad, 5, EOS, 0.7, noise=noise)
+        mask = ppo.response_mask(response, EOS)
+        query_response, attention_mask = ppo.sequence_inputs(query, response, pad, EOS)
+        inputs = (query_response, attention_mask, 3, nullcontext())
+        logprobs = ppo.logprobs_from_logits(ppo.forward_logits(policy, *inputs), response, 0.7)[0]
+        scores = ppo.penalised_scores(ppo.get_reward(reward, query, response, pad, EOS), response, EOS, -1.0)
+        return sampled * ppo.response_mask(sampled, EOS), logprobs * mask, ppo.forward_values(value, *inputs) * mask, scores
+
+    with torch.no_grad():
+        same, other = rollout(EOS), rollout(257)
+    assert same[3][2] == -1.0 and same[3][0] != -1.0  # the one that never stops gets the penalty
+    for a, b in zip(same, other):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---- end to end
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +182,7 @@ def test_tiny_run_adaptive_kl_checkpoints_and_resume(models, tmp_path):
     run(models, tmp_path / "full", *flags)
     m = metrics(tmp_path / "full")
     assert [r["step"] for r in m] == [0, 1, 2, 3] and "eval/score" in m[0] and "eval/accuracy" in m[-1]
+    assert m[1]["objective/kl"] == 0  # the reference is the starting policy
     for a, b in zip(m[1:], m[2:]):  # the controller step from the logged global KL
         assert b["objective/kl_coef"] == pytest.approx(ppo.adaptive_kl_coef(a["objective/kl_coef"], a["objective/kl"], 0.01, 16, 100))
     assert m[-1]["objective/kl"] != 0 and m[-1]["objective/kl_coef"] != 0.1  # the policy moved; the sampled KL may be < 0
@@ -121,23 +194,39 @@ def test_tiny_run_adaptive_kl_checkpoints_and_resume(models, tmp_path):
     run(models, tmp_path / "re", *flags, "--resume")
     resumed = metrics(tmp_path / "re")
     assert [r["step"] for r in resumed] == [3]
+    assert resumed[0].keys() == m[-1].keys()
     for k, v in resumed[0].items():
         assert k.startswith("perf/") or abs(v - m[-1][k]) < 1e-5, (k, v, m[-1][k])
 
 
+def test_random_tiny_policy_is_its_own_reference(models, tmp_path):
+    """`--model tiny` is a random init: the reference must be a copy of it, not a second random draw."""
+    run(models, tmp_path, "--model", "tiny", "--total_episodes", "16", "--num_ppo_epochs", "1", "--eval_size", "0")
+    m = metrics(tmp_path)
+    assert m[1]["objective/kl"] == 0 and m[1]["objective/entropy"] > 0 and "policy/entropy_avg" in m[1]
+
+
 def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_path):
-    flags = ["--total_episodes", "32", "--num_minibatches", "1", "--num_ppo_epochs", "1", "--eval_every", "2"]
-    run(models, tmp_path / "r1", *flags, nproc=1)
+    flags = ["--total_episodes", "48", "--num_minibatches", "1", "--num_ppo_epochs", "1", "--eval_every", "2"]
+    run(models, tmp_path / "r1", *flags)  # a plain process vs FSDP2 over 2 ranks
     run(models, tmp_path / "r2", *flags, nproc=2)
     a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
-    assert len(a) == len(b) == 3
+    assert len(a) == len(b) == 4
     for x, y in zip(a, b):
+        assert x.keys() == y.keys()
         for k in x:
             if not k.startswith("perf/"):
                 assert abs(x[k] - y[k]) < 1e-4, (k, x[k], y[k])
     for r in a[1:]:  # one epoch of one minibatch: its stats are taken before any update, on the rollout's own policy
         assert r["policy/approxkl_avg"] < 1e-10 and abs(r["val/ratio"] - 1) < 1e-6 and r["policy/clipfrac_avg"] == 0
-    assert a[2]["objective/kl"] != 0  # ... and the update moved the policy away from the reference
+    assert a[1]["objective/kl"] == 0 and a[2]["objective/kl"] != 0  # the update moved the policy from the reference
+    # resume under FSDP2 (sharded AdamTF and value states) from step 2 in a fresh dir: step 3 as uninterrupted
+    ckpt = tmp_path / "r2" / "checkpoints" / "step_00000002"
+    shutil.copytree(ckpt, tmp_path / "re" / "checkpoints" / ckpt.name)
+    run(models, tmp_path / "re", *flags, "--resume", nproc=2)
+    (resumed,) = metrics(tmp_path / "re")
+    for k, v in resumed.items():
+        assert k.startswith("perf/") or abs(v - b[-1][k]) < 1e-6, (k, v, b[-1][k])
 
 
 @pytest.mark.parametrize("flags, expected", [(["--reward_model", "SFT"], "no reward head"),
@@ -148,3 +237,11 @@ def test_bad_flags_give_one_line_errors(models, tmp_path, flags, expected):
     p = run(models, tmp_path, "--total_episodes", "16", *flags, check=False)
     assert p.returncode != 0 and expected in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_missing_default_models_say_what_to_run(models, tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "ppo.py")], cwd=tmp_path, env=ENV, capture_output=True, text=True)
+    assert p.returncode == 1 and "python sft.py" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    p = subprocess.run([sys.executable, str(ROOT / "ppo.py"), "--model", str(models / "sft")], cwd=tmp_path, env=ENV,
+                       capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 1 and "python reward.py" in p.stderr and not (tmp_path / "runs").exists(), p.stderr
