@@ -773,7 +773,6 @@ def finish_run(args, algo: str, master: bool):
         os.replace(link + ".tmp", link)
         print(f"{link} -> {args.out_dir}", flush=True)
     if dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
 
 

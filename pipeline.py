@@ -1,114 +1,223 @@
 """The whole RLHF pipeline on the offline default, in one command: SFT → reward model → DPO → PPO → GRPO.
 
-Each stage is its own script run as a subprocess (the scripts are the product; this file only chains them), writing
-into `out_dir/<stage>`. At the end one results table (eval accuracy, preference accuracy, reward, KL, wall time per
-stage) is printed and written to `out_dir/results.md`. About 5 minutes on 2 CPU cores.
+Each stage is its own script run as a subprocess (the scripts are the product; this file only chains them). Stage S
+of seed N writes `runs/S/pipeline-<time>-sN/`, and `runs/S/latest` then links to it, so after `python pipeline.py`
+every script's defaults find the pipeline's models: `torchrun --nproc_per_node=2 grpo.py --beta 0.03` starts from its
+SFT model. Nothing is overwritten: each call makes new run dirs. At the end one results table (eval accuracy,
+preference accuracy, reward, KL to the reference, wall time per stage) is printed and written, with learning curves
+when matplotlib is installed, to `runs/pipeline/<time>/`.
 
-    python pipeline.py                              # single process per stage
+    python pipeline.py                              # seed 1, one process per stage
+    python pipeline.py --seeds 1 2 3                # three seeds: the table shows median [min, max]
     python pipeline.py --nproc 2                    # every stage under torchrun --nproc_per_node=2 (FSDP2)
-    python pipeline.py --stages sft reward          # a subset (later stages read earlier stages' out_dirs)
+    python pipeline.py --stages ppo grpo            # a subset: earlier stages are read from runs/<stage>/latest
 """
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
+import torch
 import tyro
+
+import data
+import gpt2
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
 
 
 @dataclass
 class Args:
-    out_dir: str = "runs/pipeline"
-    """one subdirectory per stage, plus results.md"""
+    seeds: list[int] = field(default_factory=lambda: [1])
+    """seeds to run the whole pipeline with; with several, the table shows the median and range"""
     data: str = "arithmetic"
     """dataset for every stage (the built-in offline task by default)"""
     nproc: int = 1
     """ranks per stage: 1 runs plain python, >1 runs torchrun --nproc_per_node"""
-    stages: list[str] = field(default_factory=lambda: ["sft", "reward", "dpo", "ppo", "grpo"])
-    """stages to run, in order"""
-    seed: int = 1
-    """seed passed to every stage"""
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    """stages to run, in order; a stage that is not run is read from runs/<stage>/latest"""
+    temperature: float = 0.7
+    """sampling temperature of PPO, and so of the reward model's normalisation (lm-human-preferences normalises the
+    reward at the policy's own sampling temperature)"""
+    smoke: bool = False
+    """a few steps per stage (seconds): checks the wiring, not the results"""
 
 
-def stage_commands(args: Args) -> dict[str, list[str]]:
-    d = lambda s: os.path.join(args.out_dir, s)  # noqa: E731
-    common = ["--data", args.data, "--seed", str(args.seed)]
+SMOKE = {  # per-stage flags of --smoke
+    "sft": "--total_steps 4 --eval_every 4 --eval_size 16 --batch_size 16 --micro_batch_size 8 --warmup_steps 1",
+    "reward": "--total_steps 2 --eval_every 2 --eval_size 16 --batch_size 8 --micro_batch_size 8 --norm_samples 16",
+    "dpo": "--total_steps 2 --eval_every 2 --eval_size 16 --batch_size 8 --micro_batch_size 8 --max_train_pairs 16",
+    "ppo": "--total_episodes 16 --batch_size 8 --micro_batch_size 8 --num_minibatches 1 --eval_every 1 --eval_size 16",
+    "grpo": "--total_episodes 32 --num_prompts_per_step 4 --num_samples_per_prompt 4 --num_minibatches 1 --eval_every 2 "
+    "--eval_size 16",
+}
+
+
+def stage_commands(args: Args, seed: int, run_dir) -> dict[str, list[str]]:
+    """The command of each stage; run_dir(stage) is where that stage's model is (this call's or runs/<stage>/latest)."""
+    common = ["--data", args.data, "--seed", str(seed)]
+    t = str(args.temperature)
     return {
-        "sft": ["sft.py", "--out_dir", d("sft"), *common],
-        "reward": ["reward.py", "--model", d("sft"), "--out_dir", d("reward"), *common],
-        # plain DPO lowers the chosen likelihood along with the rejected one and barely moves greedy accuracy (beta 1.0:
-        # 0.182 -> 0.190 / 0.202 over two seeds); the RPO term (chosen answer's NLL, Pang et al. 2024) raises it (0.288)
-        "dpo": ["dpo.py", "--model", d("sft"), "--out_dir", d("dpo"), "--rpo_alpha", "1.0", *common],
-        "ppo": ["ppo.py", "--model", d("sft"), "--reward_model", d("reward"), "--out_dir", d("ppo"), *common],
-        "grpo": ["grpo.py", "--model", d("sft"), "--out_dir", d("grpo"), *common],
+        "sft": ["sft.py", *common],
+        "reward": ["reward.py", "--model", run_dir("sft"), "--norm_temperature", t, *common],
+        # RPO (DPO + the chosen answer's NLL, Pang et al. 2024): plain DPO lowers the chosen answers' likelihood along
+        # with the rejected ones' (docs/results.md)
+        "dpo": ["dpo.py", "--model", run_dir("sft"), "--rpo_alpha", "1.0", *common],
+        "ppo": ["ppo.py", "--model", run_dir("sft"), "--reward_model", run_dir("reward"), "--temperature", t, *common],
+        "grpo": ["grpo.py", "--model", run_dir("sft"), *common],
     }
 
 
-def first_and_last_values(metrics_path: str) -> tuple[dict, dict]:
-    """The step-0 row of a run (its starting policy's eval, written by dpo/ppo/grpo) and the last logged value of
-    every metric."""
-    first, last = {}, {}
-    if os.path.isfile(metrics_path):
-        for line in open(metrics_path):
-            row = json.loads(line)
-            last.update(row)
-            if row["step"] == 0:
-                first.update(row)
-    return first, last
+def read_metrics(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
 
 
-COLUMNS = [  # (header, metric): the last logged value of each stage's run
+COLUMNS = [  # (header, metric): each stage's first (its starting policy, step 0) and last logged value
     ("eval accuracy", "eval/accuracy"),  # greedy answers to held-out prompts, checked by the task's verifier
     ("preference accuracy", "eval/preference_accuracy"),  # held-out chosen/rejected pairs ranked right
     ("reward-model score", "eval/score"),  # normalised RM score of greedy answers (ppo.py, the stage with an RM)
-    ("KL to reference", "objective/kl"),  # ppo.py: nats per response (sum over tokens); grpo.py: k3 nats per token
+    ("KL to reference", "eval/kl"),  # KL(pi || pi_ref) of the final policy on held-out prompts, nats per response
 ]
 
 
-def results_table(args: Args, times: dict) -> str:
-    rows = ["| stage | " + " | ".join(h for h, _ in COLUMNS) + " | wall time |", "|---" * (len(COLUMNS) + 2) + "|"]
-    for stage, seconds in times.items():
-        first, m = first_and_last_values(os.path.join(args.out_dir, stage, "metrics.jsonl"))
-        if stage == "reward":  # the reward model's eval/accuracy is its preference accuracy on held-out pairs
-            first, m = {}, {"eval/preference_accuracy": m.get("eval/accuracy")}
-        # "start → end" where the stage evaluated its starting policy (the SFT model) first
-        cells = ["–" if m.get(name) is None else f"{first[name]:.3f} → {m[name]:.3f}" if name in first else f"{m[name]:.3f}"
-                 for _, name in COLUMNS]  # fmt: skip
-        rows.append(f"| {stage} | " + " | ".join(cells) + f" | {seconds / 60:.1f} min |")
-    note = "KL to reference: ppo.py logs nats per response (k1, summed over tokens), grpo.py nats per token (k3)."
-    return "\n".join(rows) + "\n\n" + note
+@torch.no_grad()
+def kl_to_reference(policy_dir: str, ref_dir: str, data_name: str, n: int = 500, length: int = 16, seed: int = 0) -> float:
+    """KL(π‖π_ref) of a final policy, measured the same way for every stage: sample one response per held-out prompt at
+    temperature 1 and average Σ_t log π − log π_ref over the response tokens (to and including the stop token); an
+    unbiased estimate of the sequence-level KL in nats per response."""
+    meta, prompts = data.load_meta(data_name), data.load_split(data_name, "prompt_test")
+    pad, eos = meta["pad_token_id"], meta["eos_token_id"]
+    policy, ref = (gpt2.load_model(d, vocab_size=meta["vocab_size"]).eval() for d in (policy_dir, ref_dir))
+    query = torch.from_numpy(prompts["query"][:n]).long()
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for i in range(0, len(query), 100):
+        q = query[i : i + 100]
+        response, logprobs = gpt2.generate(policy, q, pad, length, eos, 1.0, generator=g, return_logprobs=True)
+        stop = (response == eos).int().argmax(1).where((response == eos).any(1), torch.tensor(length))
+        mask = torch.arange(length)[None] <= stop[:, None]  # (B, T) to and including the stop token
+        attn = torch.cat([q != pad, mask], 1)
+        ref_logits = ref(torch.cat([q, response], 1), attention_mask=attn, keep_from=q.size(1) - 1)[:, :-1]
+        ref_logprobs = ref_logits.float().log_softmax(-1).gather(-1, response.long()[..., None]).squeeze(-1)
+        total += ((logprobs - ref_logprobs) * mask).sum().item()
+    return total / len(query)
+
+
+def first_last(rows: list[dict], metric: str):
+    values = [(r["step"], r[metric]) for r in rows if metric in r]
+    if not values:
+        return None, None
+    return (values[0][1] if values[0][0] == 0 else None), values[-1][1]
+
+
+def fmt(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def results_table(runs: dict, times: dict) -> str:
+    """runs[seed][stage] = metrics rows; one line per stage, 'start → end' where the stage evaluated its start."""
+    header = "| stage | " + " | ".join(h for h, _ in COLUMNS) + " | wall time |"
+    lines = [header, "|---" * (len(COLUMNS) + 2) + "|"]
+    for stage in STAGES:
+        seeds = [s for s in runs if stage in runs[s]]
+        if not seeds:
+            continue
+        cells = []
+        for _, metric in COLUMNS:
+            pairs = [first_last(runs[s][stage], metric) for s in seeds]
+            if stage == "reward" and metric == "eval/preference_accuracy":  # the RM's own accuracy on held-out pairs
+                pairs = [first_last(runs[s][stage], "eval/accuracy") for s in seeds]
+            starts, ends = [a for a, _ in pairs if a is not None], [b for _, b in pairs if b is not None]
+            if stage == "reward" and metric == "eval/accuracy":
+                ends = []
+            cells.append("–" if not ends else (fmt(starts) + " → " if len(starts) == len(ends) else "") + fmt(ends))
+        minutes = [times[s][stage] / 60 for s in seeds if stage in times[s]]
+        lines.append(f"| {stage} | " + " | ".join(cells) + f" | {fmt(minutes)} min |")
+    return "\n".join(lines)
+
+
+def plot_curves(runs: dict, path: str) -> bool:
+    """Eval accuracy and KL over steps, one panel per stage (needs matplotlib; False without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    stages = [s for s in ("dpo", "ppo", "grpo") if any(s in r for r in runs.values())]
+    fig, axes = plt.subplots(2, len(stages), figsize=(4 * len(stages), 6), squeeze=False)
+    for col, stage in enumerate(stages):
+        for row, (metric, label) in enumerate((("eval/accuracy", "eval accuracy"), ("objective/kl", "KL (train batch)"))):
+            ax = axes[row][col]
+            for seed, r in runs.items():
+                pts = [(m["step"], m[metric]) for m in r.get(stage, []) if metric in m]
+                if pts:
+                    ax.plot(*zip(*pts), label=f"seed {seed}", marker="." if row == 0 else None)
+            ax.set_title(f"{stage}: {label}")
+            ax.set_xlabel("step")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
 
 def main(args: Args):
-    commands = stage_commands(args)
-    unknown = [s for s in args.stages if s not in commands]
+    unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}: choose from {list(commands)}")
+        raise SystemExit(f"error: unknown stage(s) {unknown}: choose from {list(STAGES)}")
     launcher = [sys.executable] if args.nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                           "--standalone", f"--nproc_per_node={args.nproc}"]  # fmt: skip
-    times = {}
-    for stage in args.stages:
-        cmd = launcher + commands[stage]
-        print(f"\n==== {stage}: {' '.join(cmd)}", flush=True)
-        t0 = time.time()
-        if subprocess.run(cmd).returncode != 0:
-            raise SystemExit(f"error: stage '{stage}' failed (see its output above); fix it and rerun with "
-                             f"--stages {' '.join(args.stages[args.stages.index(stage):])}")  # fmt: skip
-        times[stage] = time.time() - t0
-    table = results_table(args, times)
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    text = f"Pipeline results ({stamp}, {os.cpu_count()} CPUs, `{' '.join(sys.argv)}`)\n\n{table}\n"
-    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    runs, times = {}, {}
+    for seed in args.seeds:
+        name = f"pipeline-{stamp}-s{seed}"
+        ran = set()
+
+        def run_dir(stage):  # this call's run of the stage, else the last finished one
+            return os.path.join("runs", stage, name if stage in ran else "latest")
+
+        runs[seed], times[seed] = {}, {}
+        for stage in args.stages:
+            cmd = stage_commands(args, seed, run_dir)[stage]
+            cmd = launcher + [os.path.join(ROOT, cmd[0]), *cmd[1:], "--out_dir", os.path.join("runs", stage, name)]
+            cmd += SMOKE[stage].split() if args.smoke else []
+            print(f"\n==== seed {seed}, {stage}: {' '.join(cmd[len(launcher):])}", flush=True)
+            t0 = time.time()
+            if subprocess.run(cmd).returncode != 0:
+                rest = args.stages[args.stages.index(stage) :]
+                raise SystemExit(f"error: stage '{stage}' (seed {seed}) failed (see its output above); fix it and "
+                                 f"rerun with --stages {' '.join(rest)}")  # fmt: skip
+            times[seed][stage] = time.time() - t0
+            ran.add(stage)
+            runs[seed][stage] = read_metrics(os.path.join("runs", stage, name, "metrics.jsonl"))
+            if stage in ("dpo", "ppo", "grpo"):  # every stage's final KL to the SFT model, measured alike
+                n = 16 if args.smoke else 500
+                kl = kl_to_reference(os.path.join("runs", stage, name), run_dir("sft"), args.data, n=n)
+                runs[seed][stage].append({"step": runs[seed][stage][-1]["step"], "eval/kl": kl})
+    out = os.path.join("runs", "pipeline", stamp)
+    os.makedirs(out, exist_ok=True)
+    table = results_table(runs, times)
+    seeds = ", ".join(map(str, args.seeds))
+    text = (f"Pipeline results (seeds {seeds}; {os.cpu_count()} CPUs; `{' '.join(sys.argv)}`)\n\n{table}\n\n"
+            "a → b: the stage's starting policy (the SFT model) → its final policy, greedy decoding on the same held-out "
+            "prompts. KL to reference: the final policy's KL(π‖π_SFT) in nats per response on held-out prompts.\n")  # fmt: skip
+    if len(args.seeds) > 1:
+        text += "Several seeds: median [min, max] over the seeds.\n"
+    with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
-    print("\n" + text)
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump({str(s): r for s, r in runs.items()}, f)
+    curves = plot_curves(runs, os.path.join(out, "curves.png"))
+    print("\n" + text + f"\nwritten to {out}/results.md" + (" and curves.png" if curves else ""))
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    try:
-        main(args)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    main(tyro.cli(Args))
