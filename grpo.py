@@ -547,12 +547,12 @@ def check_args(args: Args):
 def step_metrics(s: dict, n_groups: int, group_size: int) -> dict:
     """The logged means of a step from its named sums over every rank: rollout ones per response or group sampled
     (every round), update ones per token in the loss; the KL ones only when there is a reference."""
-    n = n_groups * group_size
+    n, t = n_groups * group_size, max(s["tokens"], 1)  # t: 0 when every response is masked out of the loss
     out = {"objective/scores": s["scores"] / n, "objective/response_length": s["length"] / n,
            "val/stop_frac": s["stopped"] / n, "objective/zero_std_frac": s["zero_std"] / n_groups,
            "objective/entropy": s["entropy"] / max(s["entropy_tokens"], 1),
-           "val/ratio_var": s["ratio_sq"] / s["tokens"] - (s["ratio"] / s["tokens"]) ** 2}  # fmt: skip
-    out |= {name: s[k] / s["tokens"] for name, k in TOKEN_MEANS.items() if k != "kl" or "k3" in s}
+           "val/ratio_var": s["ratio_sq"] / t - (s["ratio"] / t) ** 2}  # fmt: skip
+    out |= {name: s[k] / t for name, k in TOKEN_MEANS.items() if k != "kl" or "k3" in s}
     return out | ({"objective/kl": s["k3"] / s["resp"]} if "k3" in s else {})
 
 

@@ -52,8 +52,8 @@ class Args:
     """continue the run in --out_dir from its last complete checkpoint"""
     seed: int = 1
     """seed for init and data order (identical on every rank)"""
-    lr: float = 1e-3
-    """peak learning rate (1e-3 suits the tiny model from scratch; use ~1e-5 for pretrained GPT-2)"""
+    lr: float = 3e-3
+    """peak learning rate (3e-3 suits the tiny model from scratch; use ~1e-5 for pretrained GPT-2)"""
     warmup_steps: int = 100
     """linear warmup steps, then cosine decay to lr * min_lr_ratio"""
     min_lr_ratio: float = 0.1
@@ -62,15 +62,15 @@ class Args:
     """AdamW weight decay on matrices (not on biases, LayerNorms)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold on the global gradient norm"""
-    total_steps: int = 1500
+    total_steps: int = 1000
     """optimizer steps"""
-    batch_size: int = 64
+    batch_size: int = 128
     """sequences per optimizer step, over all ranks"""
     micro_batch_size: int = 32
     """sequences per forward pass on one rank (gradient accumulation makes up the rest)"""
     response_length: int = 16
     """max new tokens when generating for eval accuracy"""
-    eval_every: int = 250
+    eval_every: int = 100
     """steps between evals (and checkpoints)"""
     eval_size: int = 500
     """held-out examples for eval loss and accuracy"""
@@ -428,7 +428,6 @@ def finish_run(args, algo: str, master: bool):
         os.replace(link + ".tmp", link)
         print(f"{link} -> {args.out_dir}", flush=True)
     if dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -1,36 +1,44 @@
 """Shared data prep and loading. Every algorithm file reads its data through `load_split` and `load_meta`.
 
 A dataset is either the built-in offline task (`arithmetic`, made in memory in a second) or a directory written by a
-prep entry point, holding `meta.json` and one `.npz` per split:
+prep entry point (under runs/data/, which git ignores), holding `meta.json` and one `.npz` per split:
 
-    sft_{train,test}.npz     query (N, Tq) left-padded, response (N, Tr) right-padded ending in <|endoftext|>
+    sft_{train,test}.npz     query (N, Tq) left-padded, response (N, Tr) ending in the stop token, then right-padded
     pref_{train,test}.npz    query, chosen, rejected (responses as above)
     prompt_{train,test}.npz  query, ground_truth (strings; empty where a task has none)
 
-Padding uses the `<|endoftext|>` id (`pad_token_id` = `eos_token_id`), so real-token masks come from the first stop
-token of each response and from `query != pad_token_id`.
+meta.json: tokenizer (`bytes`, `gpt2` or a .tiktoken path relative to the dataset dir), task (the verifier's, or
+null), eos_token_id (the stop token `<|endoftext|>`), pad_token_id and vocab_size. The pad id is the stop token's
+unless prep was given --pad_token_id; a pad id past the tokenizer's vocabulary makes vocab_size grow to hold it. Since
+pad may differ from eos, a response's real tokens are those up to and including its first stop token, and a query's
+are those != pad_token_id (no prompt may contain the pad id: prep checks).
 
-Entry points:  python -m data.arithmetic --out DIR  ·  python -m data.prep {jsonl,gsm8k,hh-rlhf,tldr} ...
+Entry points:  python -m data.arithmetic --out runs/data/arithmetic  ·  python -m data.prep {jsonl,gsm8k,hh-rlhf,tldr}
 """
 
 import json
 import os
 import re
+import time
 from functools import lru_cache
 
 import numpy as np
 
-from data.tokenizer import get_encoding  # noqa: F401  (re-exported for the scripts)
+from data.tokenizer import get_encoding, portable_name, resolve_name
 
 SPLITS = ("sft_train", "sft_test", "pref_train", "pref_test", "prompt_train", "prompt_test")
 
 
 def pad_left(seqs: list[list[int]], pad_id: int, width: int | None = None) -> np.ndarray:
+    """Queries (N, width), padded on the left. A prompt holding the pad id would lose that token to the query mask."""
     width = width or max(map(len, seqs))
     out = np.full((len(seqs), width), pad_id, dtype=np.int32)
     for i, s in enumerate(seqs):
         if s:
             out[i, width - len(s) :] = s
+    if (out == pad_id).sum() != out.size - sum(map(len, seqs)):
+        raise ValueError(f"a prompt contains the pad id {pad_id}: pass a --pad_token_id no prompt uses (e.g. the "
+                         "tokenizer's vocabulary size)")
     return out
 
 
@@ -40,6 +48,28 @@ def pad_right(seqs: list[list[int]], pad_id: int, width: int | None = None) -> n
     for i, s in enumerate(seqs):
         out[i, : len(s)] = s
     return out
+
+
+def make_meta(tokenizer: str, out_dir: str, task: str | None, pad_token_id: int | None = None) -> dict:
+    """meta.json of a dataset written to out_dir: the tokenizer named portably, pad = the stop token unless given, and
+    a vocab_size that holds the pad id."""
+    enc = get_encoding(tokenizer)
+    pad = enc.eot_token if pad_token_id is None else pad_token_id
+    if pad < 0:
+        raise ValueError(f"--pad_token_id {pad} is negative: pass an id >= 0 (default: the stop token's)")
+    return dict(tokenizer=portable_name(tokenizer, out_dir), task=task, pad_token_id=pad, eos_token_id=enc.eot_token,
+                vocab_size=max(enc.n_vocab, pad + 1))
+
+
+def progress(items, what: str, every: float = 5.0):
+    """Iterate over `items`, printing `what: i/n (rate/s)` every few seconds and at the end of a long phase."""
+    t0 = last = time.time()
+    for i, item in enumerate(items):
+        yield item
+        now = time.time()
+        if now - last > every or (i + 1 == len(items) and now - t0 > every):
+            print(f"{what}: {i + 1}/{len(items)} ({(i + 1) / (now - t0):.0f}/s)", flush=True)
+            last = now
 
 
 def write_dataset(out_dir: str, meta: dict, splits: dict[str, dict[str, np.ndarray]]) -> None:
@@ -73,12 +103,13 @@ def _check_dir(data: str) -> None:
 
 
 def load_meta(data: str) -> dict:
-    """tokenizer, task, pad_token_id, eos_token_id, vocab_size of a dataset."""
+    """tokenizer (a name or a path get_encoding takes), task, pad_token_id, eos_token_id, vocab_size."""
     _check_dir(data)
     if data == "arithmetic":
         return dict(_builtin(data)[0])
     with open(os.path.join(data, "meta.json")) as f:
-        return json.load(f)
+        meta = json.load(f)
+    return dict(meta, tokenizer=resolve_name(meta["tokenizer"], data))
 
 
 def load_split(data: str, split: str) -> dict[str, np.ndarray]:
@@ -107,7 +138,7 @@ def _last_number(text: str) -> str | None:
 
 def verify(task: str, response: str, ground_truth: str) -> float:
     """The task's reward for one decoded response (text before the stop token)."""
-    if task == "arithmetic":  # the answer must be exactly the number, nothing else
+    if task == "arithmetic":  # exactly the number; the spaces that right-align it in a column do not count
         return float(response.strip() == ground_truth)
     if task == "gsm8k":  # the last number in the response, compared as a number
         got = _last_number(response)

@@ -1,10 +1,12 @@
 """Prepare a real dataset: read JSONL lines (optionally .gz), write the split layout of `data.write_dataset`.
 
-    python -m data.prep gsm8k --input gsm8k/train.jsonl --test_input gsm8k/test.jsonl --out data/gsm8k --tokenizer gpt2
+    python -m data.prep gsm8k --input gsm8k/train.jsonl --test_input gsm8k/test.jsonl --out runs/data/gsm8k \\
+        --tokenizer gpt2
     python -m data.prep hh-rlhf --input harmless-base/train.jsonl.gz --test_input harmless-base/test.jsonl.gz \\
-        --out data/hh --tokenizer gpt2 --max_query_len 512 --max_response_len 256 --truncate --drop_empty
-    python -m data.prep tldr --input comparisons/*.json --out data/tldr --tokenizer gpt2 --max_query_len 600 --truncate
-    python -m data.prep jsonl --input mine.jsonl --out data/mine --task gsm8k
+        --out runs/data/hh --tokenizer gpt2 --max_query_len 512 --max_response_len 256 --truncate --drop_empty
+    python -m data.prep tldr --input comparisons/*.json --out runs/data/tldr --tokenizer gpt2 --max_query_len 600 \\
+        --truncate
+    python -m data.prep jsonl --input mine.jsonl --out runs/data/mine --task gsm8k --pad_token_id 50257
 
 - jsonl: {prompt, completion} -> sft, {prompt, chosen, rejected} -> pref, {prompt, ground_truth} -> prompt.
 - gsm8k: {question, answer}: prompt "Question: ...\\nAnswer:", sft response = the worked answer, ground truth = the
@@ -17,6 +19,9 @@
 
 Without --test_input a seeded fraction of the distinct prompts is held out, so no prompt is in both train and test.
 A bad line stops the prep with `file:line: problem: fix`; --truncate / --drop_empty drop over-long / empty rows.
+Padding uses the stop token unless --pad_token_id names another id (one past the vocabulary, e.g. 50257 for gpt2, grows
+meta.json's vocab_size by one); responses end in the stop token either way. The tokenizer is one of the names `bytes`,
+`gpt2` (the GPT-2 BPE shipped in data/, no download) or a .tiktoken file, which meta.json stores relative to --out.
 """
 
 import argparse
@@ -28,7 +33,7 @@ import sys
 
 import numpy as np
 
-from data import pad_left, pad_right, write_dataset
+from data import make_meta, pad_left, pad_right, progress, write_dataset
 from data.tokenizer import get_encoding
 
 GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
@@ -113,7 +118,7 @@ def read_rows(fmt: str, path: str) -> list[tuple]:
         except (OSError, EOFError) as e:  # a broken .gz
             raise ValueError(f"{path}: unreadable ({e}): pass a JSONL file or an intact .jsonl.gz") from None
     rows = []
-    for lineno, line in enumerate(lines, 1):
+    for lineno, line in enumerate(progress(lines, f"read {path}"), 1):
         if not line.strip():
             continue
         loc = f"{path}:{lineno}"
@@ -156,10 +161,10 @@ def split_prompts(rows: list[tuple], test_fraction: float, seed: int) -> tuple[l
     return [r for r in rows if r[2] not in test], [r for r in rows if r[2] in test]
 
 
-def tokenize(rows: list[tuple], enc, a, skipped: dict) -> dict[str, dict[str, np.ndarray]]:
-    """Rows -> {kind: arrays}: queries left-padded, responses right-padded ending in <|endoftext|>."""
+def tokenize(rows: list[tuple], enc, pad: int, a, skipped: dict) -> dict[str, dict[str, np.ndarray]]:
+    """Rows -> {kind: arrays}: queries left-padded, responses ending in <|endoftext|> then right-padded, with `pad`."""
     eot, out, seen = enc.eot_token, {}, set()
-    for loc, kind, prompt, *texts in rows:
+    for loc, kind, prompt, *texts in progress(rows, "tokenize"):
         if kind == "prompt" and (prompt, texts[0]) in seen:  # e.g. a TL;DR post compared many times: RL on it once
             continue
         names = RESPONSES[kind]
@@ -176,8 +181,12 @@ def tokenize(rows: list[tuple], enc, a, skipped: dict) -> dict[str, dict[str, np
             seen.add((prompt, texts[0]))
             row["ground_truth"] = texts[0]
         out.setdefault(kind, []).append(row)
-    pad = dict(query=lambda v: pad_left(v, eot), ground_truth=np.array)  # every other column is a response
-    return {k: {n: pad.get(n, lambda v: pad_right(v, eot))([r[n] for r in rs]) for n in rs[0]} for k, rs in out.items()}
+    def column(name: str, values: list) -> np.ndarray:  # every column but query and ground_truth is a response
+        if name == "ground_truth":
+            return np.array(values)
+        return pad_left(values, pad) if name == "query" else pad_right(values, pad)
+
+    return {k: {n: column(n, [r[n] for r in rs]) for n in rs[0]} for k, rs in out.items()}
 
 
 def prep(a) -> dict:
@@ -185,19 +194,18 @@ def prep(a) -> dict:
     if not 0 < a.test_fraction < 1:
         raise ValueError(f"--test_fraction {a.test_fraction} must be between 0 and 1")
     enc, skipped = get_encoding(a.tokenizer), {}
+    meta = make_meta(a.tokenizer, a.out, a.task or TASKS.get(a.format), a.pad_token_id)
     rows = [r for path in a.input for r in read_rows(a.format, path)]
     if a.test_input:
         train, test = rows, [r for path in a.test_input for r in read_rows(a.format, path)]
     else:
         train, test = split_prompts(rows, a.test_fraction, a.seed)
-    train, test = tokenize(train, enc, a, skipped), tokenize(test, enc, a, skipped)
+    pad = meta["pad_token_id"]
+    train, test = tokenize(train, enc, pad, a, skipped), tokenize(test, enc, pad, a, skipped)
     for kind in sorted(set(train) | set(test)):
         if kind not in train or kind not in test:
             raise ValueError(f"no {kind} rows left in the {'test' if kind in train else 'train'} split: "
                              "use more data, a larger --test_fraction or a --test_input with such rows")
-    tokenizer = os.path.abspath(a.tokenizer) if a.tokenizer.endswith(".tiktoken") else a.tokenizer
-    meta = dict(tokenizer=tokenizer, task=a.task or TASKS.get(a.format), pad_token_id=enc.eot_token,
-                eos_token_id=enc.eot_token, vocab_size=enc.n_vocab)
     splits = {f"{k}_{s}": v for s, split in (("train", train), ("test", test)) for k, v in split.items()}
     if not splits:
         raise ValueError("no rows left: raise --max_query_len / --max_response_len or fix the input")
@@ -211,8 +219,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("format", choices=sorted(FORMATS), help="input format")
     p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz")
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--out", required=True, help="directory to write, e.g. runs/data/NAME")
     p.add_argument("--tokenizer", default="bytes", help="bytes, gpt2 or a .tiktoken path")
+    p.add_argument("--pad_token_id", type=int, default=None, help="padding id (default: the stop token's)")
     p.add_argument("--task", default=None, help="verifier task for prompt rows (default: gsm8k for gsm8k, else none)")
     p.add_argument("--max_query_len", type=int, default=None, help="longest prompt in tokens (default: no limit)")
     p.add_argument("--max_response_len", type=int, default=None, help="longest response in tokens incl. <|endoftext|>")

@@ -1,8 +1,12 @@
-"""data/: tokenizers, the arithmetic task, data.prep on real GSM8K / HH-RLHF slices, a TL;DR record, bad files."""
+"""data/: tokenizers (gpt2 offline), the arithmetic task and its annotator, data.prep on real GSM8K / HH-RLHF slices, a
+TL;DR record, bad files, pad != eos, portable tokenizer paths."""
 
+import base64
 import gzip
 import itertools
 import json
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import data
 from data import arithmetic, get_encoding, load_meta, load_split, verify
 from data.prep import parse_args, prep
 
@@ -29,22 +34,31 @@ def run_prep(fmt: str, inp: Path, out: Path, *flags: str) -> dict:
     return prep(parse_args([fmt, "--input", str(inp), "--out", str(out), *flags]))
 
 
-def query_text(row: np.ndarray, enc=BYTES) -> str:
-    real = row != enc.eot_token
+def query_text(row: np.ndarray, enc=BYTES, pad=None) -> str:
+    real = row != (enc.eot_token if pad is None else pad)
     assert real.any() and np.all(real[np.argmax(real) :]), "queries are padded on the left only"
     return enc.decode(row[real].tolist())
 
 
-def response_text(row: np.ndarray, enc=BYTES) -> str:
+def response_text(row: np.ndarray, enc=BYTES, pad=None) -> str:
     stop = np.flatnonzero(row == enc.eot_token)
-    assert len(stop) and np.all(row[stop[0] :] == enc.eot_token), "responses end in eot, then only padding"
+    assert len(stop) and np.all(row[stop[0] + 1 :] == (enc.eot_token if pad is None else pad)), "eot, then padding"
     return enc.decode(row[: stop[0]].tolist())
 
 
-@pytest.mark.skipif(not GPT2.exists(), reason="shared/data absent")
-def test_gpt2_tiktoken():
-    enc = get_encoding(str(GPT2))
+def test_gpt2_offline(monkeypatch):
+    """The GPT-2 BPE ships in data/: no network (sockets fail here), no tiktoken download cache."""
+    monkeypatch.setattr(socket.socket, "connect", lambda *a: (_ for _ in ()).throw(OSError("network used")))
+    get_encoding.cache_clear()
+    enc = get_encoding("gpt2")
     assert enc.encode_ordinary("Hello world") == [15496, 995] and (enc.eot_token, enc.n_vocab) == (50256, 50257)
+    if GPT2.exists():  # the shipped file is the openai-whisper one, byte for byte
+        assert (ROOT / "data" / "gpt2.tiktoken").read_bytes() == GPT2.read_bytes()
+
+
+def test_product_never_reads_shared():
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("data/*.py")]:
+        assert "/work/shared" not in path.read_text() and "../shared" not in path.read_text(), path
 
 
 def test_bytes_encoding():
@@ -52,27 +66,53 @@ def test_bytes_encoding():
     assert BYTES.decode(ids) == text and max(ids) < 256 and (BYTES.eot_token, BYTES.n_vocab) == (EOT, 257)
 
 
-def test_arithmetic():
+def arithmetic_rows(d: dict) -> tuple[list, list, list]:
+    """(prompts, right answers computed here, whether the units digits carry) of one split."""
+    prompts = [query_text(q) for q in d["query"]]
+    pairs = [tuple(map(int, p[:-1].split("+"))) for p in prompts]
+    return prompts, [str(a + b) for a, b in pairs], [a % 10 + b % 10 >= 10 for a, b in pairs]
+
+
+def test_arithmetic_splits():
     prompts = {}
     for split, n in arithmetic.SIZES.items():
         d = load_split("arithmetic", split)
         assert set(d) == KEYS[split.split("_")[0]] and all(len(v) == n for v in d.values()) and d["query"].ndim == 2
-        prompts[split] = [query_text(q) for q in d["query"]]
-        truth = [str(eval(p[:-1])) for p in prompts[split]]  # "347-58=" -> "289", computed here, not by the task
+        prompts[split], truth, _ = arithmetic_rows(d)
         assert d.get("ground_truth", np.array(truth)).tolist() == truth
-        for key in ("response", "chosen", "rejected"):
-            for row, t in zip(d.get(key, []), truth):
-                assert verify("arithmetic", response_text(row), t) == float(key != "rejected")
+        for row, t in zip(d.get("chosen", []), truth):
+            assert verify("arithmetic", response_text(row), t) == 1.0
     assert all(not set(a) & set(b) for a, b in itertools.combinations(prompts.values(), 2))
+    again = arithmetic.build()  # deterministic; another seed deals other problems
+    assert all(np.array_equal(again[s][k], v) for s in again for k, v in load_split("arithmetic", s).items())
+    assert not np.array_equal(arithmetic.build(seed=1)["sft_train"]["query"], again["sft_train"]["query"])
+
+
+def test_arithmetic_annotator_and_pairs():
+    """SFT: the slip (carry lost: 47+38 -> 75) on ~SLIP_RATE of the carry problems, right everywhere else. Pref:
+    chosen right, rejected the slip on carry problems and another wrong answer on the others."""
+    d = load_split("arithmetic", "sft_train")
+    prompts, truth, carry = arithmetic_rows(d)
+    given = [response_text(r).strip() for r in d["response"]]  # answers are right-aligned: " 85"
+    slips = [g != t for g, t in zip(given, truth)]
+    assert 0.40 < np.mean(carry) < 0.50 and not any(s for s, c in zip(slips, carry) if not c)
+    assert abs(np.mean([s for s, c in zip(slips, carry) if c]) - arithmetic.SLIP_RATE) < 0.03
+    assert all(int(g) == int(t) - 10 for g, t, s in zip(given, truth, slips) if s)  # the sum less the lost carry
+    assert [arithmetic.slip(*p) for p in ((47, 38), (57, 68), (7, 8), (41, 23))] == [75, 115, 5, 64]
+    d = load_split("arithmetic", "pref_train")
+    prompts, truth, carry = arithmetic_rows(d)
+    chosen, rejected = [[response_text(r).strip() for r in d[k]] for k in ("chosen", "rejected")]
+    assert chosen == truth and all(c != r for c, r in zip(chosen, rejected))
+    assert all((int(r) == int(t) - 10) == c for r, t, c in zip(rejected, truth, carry))  # the slip iff a carry
+    assert 0.3 < np.mean([int(r) > int(t) for r, t in zip(rejected, truth)]) < 0.7  # "bigger is better" fails
 
 
 @pytest.mark.skipif(not (SHARED / "gsm8k").exists(), reason="shared/data absent")
 def test_prep_gsm8k(tmp_path):
-    tok = str(GPT2) if GPT2.exists() else "bytes"
     lines = (SHARED / "gsm8k" / "test.jsonl").read_text().splitlines()[:40]
-    run_prep("gsm8k", write(tmp_path / "g.jsonl", lines), tmp_path, "--tokenizer", tok, "--test_fraction", "0.25")
-    meta, enc = load_meta(str(tmp_path)), get_encoding(tok)
-    assert meta["task"] == "gsm8k" and meta["vocab_size"] == enc.n_vocab and meta["pad_token_id"] == enc.eot_token
+    run_prep("gsm8k", write(tmp_path / "g.jsonl", lines), tmp_path, "--tokenizer", "gpt2", "--test_fraction", "0.25")
+    meta, enc = load_meta(str(tmp_path)), get_encoding("gpt2")
+    assert meta == dict(tokenizer="gpt2", task="gsm8k", pad_token_id=50256, eos_token_id=50256, vocab_size=50257)
     answers, seen = {f"Question: {r['question'].strip()}\nAnswer:": r["answer"] for r in map(json.loads, lines)}, {}
     for split, n in (("train", 30), ("test", 10)):
         sft, pr = (load_split(str(tmp_path), f"{k}_{split}") for k in ("sft", "prompt"))
@@ -148,3 +188,46 @@ def test_cli_one_line_error(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert f"{bad}:2: malformed JSON" in p.stderr
+
+
+@pytest.mark.parametrize("pad", [257, 0])  # past the vocabulary (vocab_size grows), or an id no prompt uses
+def test_pad_not_eos(tmp_path, pad):
+    rows = [dict(prompt="12+3=", completion="15"), dict(prompt="1+1=", completion="2", chosen="2", rejected="11"),
+            dict(prompt="4+4=", ground_truth=8)]
+    test = write(tmp_path / "test.jsonl", rows)
+    flags = ["--test_input", str(test), "--pad_token_id", str(pad)]
+    run_prep("jsonl", write(tmp_path / "t.jsonl", rows), tmp_path / "d", *flags)
+    meta = load_meta(str(tmp_path / "d"))
+    assert (meta["pad_token_id"], meta["eos_token_id"], meta["vocab_size"]) == (pad, EOT, max(257, pad + 1))
+    sft = load_split(str(tmp_path / "d"), "sft_train")
+    assert [query_text(q, pad=pad) for q in sft["query"]] == ["12+3=", "1+1="] and sft["query"][1, 0] == pad
+    assert [response_text(r, pad=pad) for r in sft["response"]] == ["15", "2"]
+    assert sft["response"].tolist() == [[49, 53, EOT], [50, EOT, pad]]  # the stop token, then pad
+    cmd = [sys.executable, "-m", "data.arithmetic", "--out", str(tmp_path / "a"), "--pad_token_id", str(pad)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)  # the task written as a dataset dir, same meta
+    assert load_meta(str(tmp_path / "a")) == dict(arithmetic.META, pad_token_id=pad, vocab_size=max(257, pad + 1))
+    with pytest.raises(ValueError, match="a prompt contains the pad id 49"):  # "1" is byte 49: its mask would drop it
+        run_prep("jsonl", test, tmp_path / "bad", "--test_input", str(test), "--pad_token_id", "49")
+
+
+def test_meta_tokenizer_is_portable(tmp_path):
+    """A .tiktoken tokenizer is stored relative to the dataset dir: the dataset moves with it, to any machine."""
+    (tmp_path / "tok").mkdir()
+    tok = tmp_path / "tok" / "mine.tiktoken"  # the byte-level ranks, written in tiktoken's format
+    tok.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    rows = write(tmp_path / "t.jsonl", [dict(prompt="2+2=", completion="4")])
+    run_prep("jsonl", rows, tmp_path / "d", "--test_input", str(rows), "--tokenizer", str(tok))
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["tokenizer"] == "../tok/mine.tiktoken"
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    for name in ("tok", "d"):
+        shutil.move(tmp_path / name, moved / name)
+    enc = get_encoding(load_meta(str(moved / "d"))["tokenizer"])
+    assert enc.encode_ordinary("2+2=") == BYTES.encode_ordinary("2+2=") and enc.eot_token == EOT
+    run_prep("jsonl", rows, tmp_path / "g", "--test_input", str(rows), "--tokenizer", str(ROOT / "data/gpt2.tiktoken"))
+    assert load_meta(str(tmp_path / "g"))["tokenizer"] == "gpt2"  # the shipped file is stored by its name
+
+
+def test_progress_lines(capsys):
+    assert list(data.progress(range(3), "tokenize", every=0)) == [0, 1, 2]
+    assert "tokenize: 3/3 (" in capsys.readouterr().out

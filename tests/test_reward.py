@@ -92,6 +92,9 @@ def test_pad_other_than_eos_gives_the_same_rewards_and_loss():
     split = data.load_split("arithmetic", "pref_test")
     query, chosen, rejected = (torch.from_numpy(split[k][:16]).long() for k in ("query", "chosen", "rejected"))
     eos, pad = 256, 257
+    # two more pad columns (left of the queries, right of the responses), as a batch of mixed lengths has them
+    query = torch.cat([torch.full((query.size(0), 2), eos), query], 1)
+    chosen, rejected = (torch.cat([r, torch.full((r.size(0), 2), eos)], 1) for r in (chosen, rejected))
     repad_q = torch.where(query == eos, pad, query)  # the left padding (no query holds a stop token)
     repad_c, repad_r = (torch.where(reward.response_mask(r, eos), r, pad) for r in (chosen, rejected))
     assert (repad_q == pad).any() and (repad_c == pad).any() and (repad_r == pad).any()
@@ -164,14 +167,17 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path):
     assert len(a) == len(b) == 6
     keys = ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy", "norm/raw_mean", "norm/raw_std")
     for x, y in zip(a, b):  # the norm/* keys: the same policy samples on 1 and 2 ranks
-        assert all(abs(x[k] - y[k]) < 1e-4 for k in keys if k in x), (x, y)
+        # the normalisation averages 512 raw scores of magnitude ~2 computed by a sharded vs a plain model
+        bad = [(k, x[k], y[k]) for k in keys if k in x and abs(x[k] - y[k]) >= (1e-3 if k.startswith("norm/") else 1e-4) * max(1.0, abs(x[k]))]
+        assert not bad, bad
     # resume from the step-3 checkpoint (backbone + score head + optimizer): steps 4..6 as uninterrupted
     shutil.copytree(tmp_path / "r1" / "checkpoints" / "step_00000003", tmp_path / "res" / "checkpoints" / "step_00000003")
     run(["--out_dir", str(tmp_path / "res"), "--resume", *common])
     resumed = metrics(tmp_path / "res")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for x, y in zip(a[3:], resumed):
-        assert all(abs(x[k] - y[k]) < 1e-5 for k in ("train/loss", "norm/gain") if k in x), (x, y)
+        bad = [k for k in ("train/loss", "norm/gain") if k in x and abs(x[k] - y[k]) >= 1e-4 * max(1.0, abs(x[k]))]
+        assert not bad, (bad, x, y)
 
 
 def test_max_train_pairs_trains_on_the_first_pairs_only(tmp_path):
