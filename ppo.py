@@ -35,7 +35,9 @@ Choices and where they come from:
     python ppo.py --resume --out_dir runs/ppo/<run>        # continue a run from its last checkpoint
 
 Each run writes a fresh `runs/ppo/<time>-s<seed>/` (the policy in the HF safetensors layout, checkpoints, args.json,
-metrics.jsonl); `runs/ppo/latest` links to the last finished one.
+metrics.jsonl); `runs/ppo/latest` links to the last finished one. The file is longer than STYLE.md's 550–750 lines
+by its plumbing section (~245 lines, identical in every script) and its copies of the TF-style Adam and the reward
+model, which let it run alone.
 """
 
 import atexit
