@@ -69,7 +69,8 @@ def stage_commands(args: Args, seed: int, run_dir) -> dict[str, list[str]]:
         # with the rejected ones' (docs/results.md)
         "dpo": ["dpo.py", "--model", run_dir("sft"), "--rpo_alpha", "1.0", *common],
         "ppo": ["ppo.py", "--model", run_dir("sft"), "--reward_model", run_dir("reward"), "--temperature", t, *common],
-        "grpo": ["grpo.py", "--model", run_dir("sft"), *common],
+        # --ref_model at β 0: no KL in the loss, but grpo.py then logs objective/kl, the KL curve of curves.png
+        "grpo": ["grpo.py", "--model", run_dir("sft"), "--ref_model", run_dir("sft"), *common],
     }
 
 
@@ -161,9 +162,12 @@ def plot_curves(runs: dict, path: str) -> bool:
                 pts = [(m["step"], m[metric]) for m in r.get(stage, []) if metric in m]
                 if pts:
                     ax.plot(*zip(*pts), label=f"seed {seed}", marker="." if row == 0 else None)
+            if not ax.lines:  # DPO samples nothing while it trains: its KL is the table's, measured at the end
+                ax.text(0.5, 0.5, "not logged while training:\nsee the table's KL", ha="center", transform=ax.transAxes)
             ax.set_title(f"{stage}: {label}")
             ax.set_xlabel("step")
-            ax.legend(fontsize=7)
+            if ax.lines:
+                ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True

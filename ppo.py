@@ -88,8 +88,9 @@ class Args:
     """`adam_tf` (TensorFlow's Adam, as lm-human-preferences) or `adam` (torch.optim.Adam)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run"""
-    total_episodes: int = 8192
-    """prompts (episodes) to train on; updates = total_episodes / batch_size"""
+    total_episodes: int = 16384
+    """prompts (episodes) to train on; updates = total_episodes / batch_size (128 updates: on the offline task seed 2
+    reached 0.76 greedy accuracy after 64 and was still climbing, 0.82 after 128)"""
     batch_size: int = 128
     """prompts per rollout / PPO update, over all ranks"""
     num_minibatches: int = 2
