@@ -650,8 +650,23 @@ def progress(items, what: str, master: bool, every: float = 5.0):
             last = now
 
 
+def keep_freed_memory():
+    """Linux/glibc: keep freed buffers of up to 32 MiB in the process. By default glibc returns a freed multi-MB buffer
+    (a gradient, an activation) to the OS and page-faults it back in on the next step; at the GPT-2 124M shape on CPU
+    that made a training step 14% slower and its time vary from run to run (docs/benchmarks.md)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to tune
+        return
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: buffers below 32 MiB come from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: up to 1 GiB of freed heap stays, for the next step to reuse
+
+
 def run(main, args):
     """Run main(args); a RunError (or another problem the user can fix) becomes one line on rank 0 and exit code 1."""
+    keep_freed_memory()
     try:
         main(args)
     except (RunError, ValueError, FileNotFoundError, FloatingPointError, PermissionError) as e:
