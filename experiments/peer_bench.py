@@ -16,13 +16,14 @@ docs/benchmarks.md). Each run is its own process; a step is timed from one optim
 scripts: a global optimizer-step hook; TRL: a TrainerCallback's on_step_end), the first --warmup steps and all start-up
 and evaluation excluded; the process exits right after its last timed step. Ours and TRL's runs alternate (ABBA over
 turns), each turn gives a ratio ours/TRL of throughputs; the summary is the median and range over turns, plus the
-peak RSS of each process (ru_maxrss from wait4).
+peak RSS of each process (ru_maxrss from wait4). A last table gives the limit: the GEMMs each step cannot avoid,
+timed alone at their shapes on this machine (`matmul_floor`), as a share of each side's measured step time.
 
 Needs its own venv (trl, transformers, datasets, accelerate on top of the runtime packages); our scripts run in it too,
 so both sides use the same torch:
 
     python3 -m venv /work/peer-venv && /work/peer-venv/bin/pip install -r experiments/requirements-peer.txt
-    /work/peer-venv/bin/python experiments/peer_bench.py                         # all: ~8-10 min on 2 quiet cores
+    /work/peer-venv/bin/python experiments/peer_bench.py                         # all: ~8 min on 2 quiet cores
     /work/peer-venv/bin/python experiments/peer_bench.py --sections grpo --presets gpt2 --turns 5
     /work/peer-venv/bin/python experiments/peer_bench.py --turns 1 --steps 3 --warmup 1   # a smoke run, ~3 min
 """
@@ -375,7 +376,59 @@ def step_time(ends: list, warmup: int) -> float:
     return (ends[-1] - ends[warmup - 1]) / (len(ends) - warmup)
 
 
-def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str, env: dict) -> list[dict]:
+PROMPT_TOKENS = 6  # the arithmetic task's prompts (" 7+48="), the prefill of a GRPO rollout
+
+
+def step_passes(section: str, p: dict, tokens_per_row: float, side: str, beta: float = 0.0, ref: bool = False) -> list:
+    """The model passes one optimizer step cannot avoid, as [(kind, rows x tokens)], kind "fwd" or "fwdbwd": the
+    training forward + backward, a reference forward where the side runs one (TRL's DPO default; GRPO at beta > 0),
+    and GRPO's generation (a prefill of the prompts, then one forward of one token per row per sampled token)."""
+    if section == "sft":
+        return [("fwdbwd", p["sft_batch"] * tokens_per_row)]
+    if section == "dpo":  # chosen and rejected rows in one pass
+        rows = 2 * p["dpo_batch"] * tokens_per_row
+        return [("fwdbwd", rows)] + [("fwd", rows)] * (side == "trl" and ref)
+    n, R = p["grpo_prompts"] * p["grpo_samples"], p["response_length"]
+    rollout = [("fwd", n * PROMPT_TOKENS)] + [("fwd", n)] * (R - 1)
+    return rollout + [("fwdbwd", n * (PROMPT_TOKENS + R))] + [("fwd", n * (PROMPT_TOKENS + R))] * (beta > 0)
+
+
+def matmul_floor(preset: str, vocab_size: int, passes: list, repeats: int = 5, cache: dict = {}) -> float:  # noqa: B006
+    """Seconds the GEMMs of `passes` take on this machine: for each pass, every linear layer's GEMM (rows x in) @
+    (in x out) in model order, each layer with its own weight as in the model (so weights come from memory, not from
+    a cache warmed by repeating one GEMM); 1 GEMM per layer for a forward, 3 for forward + backward (the input's and
+    the weight's gradients). Median of `repeats` per pass, summed over passes. Attention, norms, the optimizer and all
+    overhead are left out."""
+    import torch
+
+    import gpt2
+
+    cfg = gpt2.make_config(preset, vocab_size=vocab_size)
+    C = cfg.n_embd
+    if (preset, vocab_size) not in cache:  # one weight per linear layer, as in the model
+        shapes = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * cfg.n_layer + [(C, vocab_size)]
+        cache[preset, vocab_size] = [torch.randn(fan_in, fan_out) for fan_in, fan_out in shapes]
+    weights, total = cache[preset, vocab_size], 0.0
+    for kind, rows in passes:
+        key = (preset, vocab_size, kind, max(1, round(rows)))
+        if key not in cache:
+            xs = {w.shape[0]: torch.randn(key[3], w.shape[0]) for w in weights}  # (rows, in) inputs
+            gs = {w.shape[1]: torch.randn(key[3], w.shape[1]) for w in weights}  # (rows, out) output gradients
+            times = []
+            for _ in range(repeats + 1):  # the first is a warmup
+                t0 = time.perf_counter()
+                for w in weights:
+                    x, g = xs[w.shape[0]], gs[w.shape[1]]
+                    x @ w
+                    if kind == "fwdbwd":
+                        g @ w.t(), x.t() @ g
+                times.append(time.perf_counter() - t0)
+            cache[key] = statistics.median(times[1:])
+        total += cache[key]
+    return total
+
+
+def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str, env: dict, vocab_size: int) -> list[dict]:
     """All turns of one section on one preset; returns a summary row per comparison."""
     p = PRESETS[preset]
     steps = args.steps or p["steps"][section]
@@ -413,6 +466,10 @@ def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str,
                          trl=units / statistics.median(r["step_s"] for r in t),
                          rss_ours=statistics.median(r["rss_mb"] for r in o),
                          rss_trl=statistics.median(r["rss_mb"] for r in t), runs=o + t))  # fmt: skip
+        beta, ref = float(trl_.get("beta", 0.0)), not trl_.get("precompute", True)
+        for side, res in (("ours", o), ("trl", t)):
+            floor = matmul_floor(preset, vocab_size, step_passes(section, p, tokens_per_row, side, beta, ref))
+            rows[-1] |= {f"floor_{side}": floor, f"floor_pct_{side}": floor / statistics.median(r["step_s"] for r in res)}
         print(f"   {label}: ours/TRL {unit} per turn {' '.join(f'{r:.2f}' for r in ratios)} -> median "
               f"{rows[-1]['ratio']:.2f} (range {rows[-1]['lo']:.2f}-{rows[-1]['hi']:.2f})", flush=True)  # fmt: skip
     return rows
@@ -452,7 +509,7 @@ def main(args: Args) -> None:
                 raise RuntimeError(f"{preset}: gpt2.py and transformers disagree on the same weights ({diff:.2e})")
             for section in sections:
                 if section != "ppo":
-                    summary += run_section(section, preset, model_dir, args, tmp, env)
+                    summary += run_section(section, preset, model_dir, args, tmp, env, meta["vocab_size"])
                     continue
                 where = trl_has_ppo()
                 msg = f"TRL {trl.__version__} has no PPO trainer (neither trl.PPOTrainer nor trl.experimental.ppo)"
@@ -476,6 +533,16 @@ def main(args: Args) -> None:
             print(f"| {shape} | {r['label']} {r['unit']} | {r['ours']:.4g} | {r['trl']:.4g} | {r['ratio']:.2f} "
                   f"({r['lo']:.2f}–{r['hi']:.2f}) | {r['rss_ours']:.0f} / {r['rss_trl']:.0f} MB "
                   f"({r['rss_ours'] / r['rss_trl']:.2f}×) |")  # fmt: skip
+    print("\nThe limit: the GEMMs a step cannot avoid (its training forward + backward, and the reference forward and "
+          "the rollout's forwards where the side runs them), timed alone at their shapes on this machine, against "
+          "each side's measured time per step\n")  # fmt: skip
+    print("| shape | comparison | matmul floor per step, ours / TRL | share of the step, ours / TRL |")
+    print("|---|---|---|---|")
+    for r in summary:
+        if "floor_ours" in r:
+            shape = "tiny (0.8M)" if r["preset"] == "tiny" else "GPT-2 124M shape"
+            print(f"| {shape} | {r['label']} | {r['floor_ours'] * 1e3:.1f} / {r['floor_trl'] * 1e3:.1f} ms | "
+                  f"{r['floor_pct_ours']:.0%} / {r['floor_pct_trl']:.0%} |")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), same=SAME, different=DIFFERENT, summary=summary), f, indent=1)
