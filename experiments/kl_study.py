@@ -5,6 +5,8 @@ KL reached (`objective/kl`, always the k3 estimate of KL(pi_theta || pi_ref) per
 over the last few logged steps because one batch's estimate is noisy) and the final greedy eval accuracy. Expected
 (open-instruct issue #534): with k2, k3 and k4 the KL falls as beta grows; k1's gradient is zero in expectation, so
 k1 in the loss does not control the KL. beta = 0 has no KL term, so it is run once and shared by every estimator.
+The table is also written to OUT_DIR/results.md and, with matplotlib (requirements-plot.txt), plotted (KL against
+beta, a line per estimator) to OUT_DIR/kl_study.png.
 
 Each run is `python grpo.py ... --out_dir OUT_DIR/<estimator>_beta<beta>` (a subprocess: nothing is imported from
 grpo.py). A finished run made with the same flags is reused; a run that was interrupted or made with other flags is
@@ -40,7 +42,7 @@ class Args:
     """rerun every configuration, even those whose finished run would be reused"""
     estimators: tuple[str, ...] = ("k1", "k2", "k3", "k4")
     """KL estimators to compare"""
-    betas: tuple[float, ...] = (0.0, 0.03, 0.1)
+    betas: tuple[float, ...] = (0.0, 0.03, 0.1, 0.3)
     """KL coefficients to compare"""
     total_episodes: int = 25600
     """episodes per run (100 steps of 256)"""
@@ -86,10 +88,36 @@ def main(args: Args):
 
     print(f"\nfinal objective/kl (k3 per token, mean of the last {args.last} steps) and greedy eval accuracy "
           f"(start {next(iter(results.values()))['acc0']:.3f})\n")  # fmt: skip
-    print("| estimator | beta | objective/kl | objective/scores | eval/accuracy |")
-    print("|---|---|---|---|---|")
-    for (est, beta), r in results.items():
-        print(f"| {est} | {beta:g} | {r['kl']:.4f} | {r['scores']:.3f} | {r['acc']:.3f} |")
+    lines = ["| estimator | beta | objective/kl | objective/scores | eval/accuracy |", "|---|---|---|---|---|"]
+    lines += [f"| {est} | {beta:g} | {r['kl']:.4f} | {r['scores']:.3f} | {r['acc']:.3f} |" for (est, beta), r in results.items()]
+    print("\n".join(lines))
+    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
+        f.write(f"`python experiments/kl_study.py {' '.join(sys.argv[1:])}`\n\n" + "\n".join(lines) + "\n")
+    if plot(results, os.path.join(args.out_dir, "kl_study.png")):
+        print(f"wrote {args.out_dir}/results.md and kl_study.png")
+
+
+def plot(results: dict, path: str) -> bool:
+    """Final KL against beta, one line per estimator, all starting from the shared beta = 0 run (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    base = [(b, r["kl"]) for (e, b), r in results.items() if e == "any"]
+    for est in sorted({e for e, _ in results if e != "any"}):
+        pts = sorted(base + [(b, r["kl"]) for (e, b), r in results.items() if e == est])
+        ax.plot(*zip(*pts), marker="o", label=est)
+    ax.set_xlabel("beta")
+    ax.set_ylabel("final objective/kl (k3, nats/token)")
+    ax.set_title("KL reached vs beta, per estimator in the loss", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
 
 if __name__ == "__main__":
