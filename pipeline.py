@@ -164,7 +164,8 @@ def plot_curves(runs: dict, path: str) -> bool:
                     ax.plot(*zip(*pts), label=f"seed {seed}", marker="." if row == 0 else None)
             if not ax.lines:  # DPO samples nothing while it trains: its KL is the table's, measured at the end
                 ax.text(0.5, 0.5, "not logged while training:\nsee the table's KL", ha="center", transform=ax.transAxes)
-            ax.set_title(f"{stage}: {label}")
+            unit = {"ppo": ", nats/response (k1)", "grpo": ", nats/token (k3)"}.get(stage, "") if row else ""
+            ax.set_title(f"{stage}: {label}{unit}", fontsize=10)
             ax.set_xlabel("step")
             if ax.lines:
                 ax.legend(fontsize=7)
