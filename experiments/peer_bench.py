@@ -55,8 +55,8 @@ LR = 1e-5  # the same on both sides; speed does not depend on it
 GRPO_BETAS = (0.0, 0.03)
 EVAL_ROWS = 16  # rows in each test split: the scripts' evaluations (at step 0, and never again) stay short
 NEVER = 10**9  # --eval_every: no evaluation inside the timed steps
-SAME = ("fp32", "fused AdamW", "no gradient checkpointing", "grad-norm clip 1.0", "a log row every step",
-        "micro-batch = batch (no accumulation)", "learning rate 1e-5")  # fmt: skip
+SAME = ("the --dtype (fp32 by default)", "fused AdamW", "no gradient checkpointing", "grad-norm clip 1.0",
+        "a log row every step", "micro-batch = batch (no accumulation)", "learning rate 1e-5")  # fmt: skip
 DIFFERENT = ("learning-rate schedules and Adam betas (no effect on speed)",
              "peak RSS is the whole process: TRL's also holds transformers, datasets and accelerate")  # fmt: skip
 
@@ -73,6 +73,8 @@ class Args:
     """optimizer steps per run, warmup included (0 = the preset's: see PRESETS)"""
     warmup: int = 0
     """untimed first steps per run, at least 1 (0 = the preset's)"""
+    dtype: str = "float32"
+    """float32, or bfloat16: autocast on both sides (our --dtype bfloat16, TRL's bf16=True); pays on CPUs with AMX"""
     threads: int = 0
     """OMP_NUM_THREADS of every run (0 = inherit this process's environment, i.e. torch's default)"""
     out: str | None = None
@@ -179,7 +181,7 @@ def child_trl(spec: dict) -> None:
         output_dir=os.path.join(spec["out_dir"]), max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
         gradient_accumulation_steps=1, learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False,
-        bf16=False, use_cpu=True, seed=1, dataloader_num_workers=0,
+        bf16=spec["dtype"] == "bfloat16", use_cpu=True, seed=1, dataloader_num_workers=0,
     )  # fmt: skip
     kind, rows = spec["kind"], text_rows(data.load_split(spec["data"], spec["split"]), meta)
     if kind == "sft":
@@ -251,10 +253,11 @@ def build_data(out_dir: str, sizes: dict) -> float:
     return float(((sft["query"] != meta["pad_token_id"]).sum(1) + resp_len).mean())
 
 
-def comparisons(section: str, p: dict, steps: int, model: str, data_dir: str, tokens_per_row: float) -> tuple:
+def comparisons(section: str, p: dict, steps: int, model: str, data_dir: str, tokens_per_row: float,
+                dtype: str = "float32") -> tuple:
     """The differences left between the two sides of a section (printed with it), and its comparisons:
     [(label, unit, units per step, our run spec, TRL run spec, the comparison's own note)]."""
-    common = ["--model", model, "--data", data_dir, "--seed", "1", "--lr", str(LR), "--dtype", "float32",
+    common = ["--model", model, "--data", data_dir, "--seed", "1", "--lr", str(LR), "--dtype", dtype,
               "--eval_every", str(NEVER), "--eval_size", str(EVAL_ROWS), "--log_every", "1"]  # fmt: skip
     padding = ("padding: ours pads prompts left and responses right, trimmed per batch to the longest prompt + the "
                "longest response; TRL right-pads prompt + completion to the longest row, so ours may run a few more "
@@ -437,11 +440,12 @@ def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str,
                             "grpo": ("prompt_train", p["grpo_prompts"])}[section]  # fmt: skip
     data_dir = os.path.join(tmp, f"data-{preset}-{section}")
     tokens_per_row = build_data(data_dir, {split: steps * rows_per_step})
-    notes, comps = comparisons(section, p, steps, model_dir, data_dir, tokens_per_row)
+    notes, comps = comparisons(section, p, steps, model_dir, data_dir, tokens_per_row, args.dtype)
     runs = {}  # the distinct runs of the section (dpo.py's serves both TRL modes), in a fixed order
     for spec in [spec for c in comps for spec in c[3:5]]:
         if spec["tag"] not in runs:
-            runs[spec["tag"]] = dict(spec, tag=f"{preset}-{spec['tag']}", data=data_dir, model=model_dir, split=split)
+            runs[spec["tag"]] = dict(spec, tag=f"{preset}-{spec['tag']}", data=data_dir, model=model_dir, split=split,
+                                     dtype=args.dtype)  # fmt: skip
         if spec["side"] == "ours":
             check_flags(spec["script"], [*spec["argv"], "--out_dir"], env)
     print(f"\n-- {preset} {section}: {steps} steps per run, the first {warmup} untimed; {args.turns} turns", flush=True)
@@ -467,7 +471,7 @@ def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str,
                          rss_ours=statistics.median(r["rss_mb"] for r in o),
                          rss_trl=statistics.median(r["rss_mb"] for r in t), runs=o + t))  # fmt: skip
         beta, ref = float(trl_.get("beta", 0.0)), not trl_.get("precompute", True)
-        for side, res in (("ours", o), ("trl", t)):
+        for side, res in (("ours", o), ("trl", t)) if args.dtype == "float32" else ():  # fp32 GEMMs only
             floor = matmul_floor(preset, vocab_size, step_passes(section, p, tokens_per_row, side, beta, ref))
             rows[-1] |= {f"floor_{side}": floor, f"floor_pct_{side}": floor / statistics.median(r["step_s"] for r in res)}
         print(f"   {label}: ours/TRL {unit} per turn {' '.join(f'{r:.2f}' for r in ratios)} -> median "
@@ -480,6 +484,8 @@ def main(args: Args) -> None:
     if unknown := [s for s in sections if s not in SECTIONS] + [p for p in presets if p not in PRESETS]:
         sys.exit(f"error: unknown {', '.join(unknown)}: the sections are {', '.join(SECTIONS)}, the presets "
                  f"{', '.join(PRESETS)}")  # fmt: skip
+    if args.dtype not in ("float32", "bfloat16"):
+        sys.exit(f"error: --dtype {args.dtype}: use float32 or bfloat16")
     if args.turns < 1 or args.steps < 0 or args.warmup < 0 or (args.steps and args.steps <= max(args.warmup, 1)):
         sys.exit("error: need --turns >= 1 and --steps > --warmup >= 1 (0 = the preset's)")
     import torch
@@ -533,16 +539,17 @@ def main(args: Args) -> None:
             print(f"| {shape} | {r['label']} {r['unit']} | {r['ours']:.4g} | {r['trl']:.4g} | {r['ratio']:.2f} "
                   f"({r['lo']:.2f}–{r['hi']:.2f}) | {r['rss_ours']:.0f} / {r['rss_trl']:.0f} MB "
                   f"({r['rss_ours'] / r['rss_trl']:.2f}×) |")  # fmt: skip
-    print("\nThe limit: the GEMMs a step cannot avoid (its training forward + backward, and the reference forward and "
-          "the rollout's forwards where the side runs them), timed alone at their shapes on this machine, against "
-          "each side's measured time per step\n")  # fmt: skip
-    print("| shape | comparison | matmul floor per step, ours / TRL | share of the step, ours / TRL |")
-    print("|---|---|---|---|")
-    for r in summary:
-        if "floor_ours" in r:
-            shape = "tiny (0.8M)" if r["preset"] == "tiny" else "GPT-2 124M shape"
-            print(f"| {shape} | {r['label']} | {r['floor_ours'] * 1e3:.1f} / {r['floor_trl'] * 1e3:.1f} ms | "
-                  f"{r['floor_pct_ours']:.0%} / {r['floor_pct_trl']:.0%} |")  # fmt: skip
+    if args.dtype == "float32":  # the floor times fp32 GEMMs
+        print("\nThe limit: the GEMMs a step cannot avoid (its training forward + backward, and the reference forward "
+              "and the rollout's forwards where the side runs them), one weight per layer as in the model, timed on "
+              "this machine, against each side's measured time per step\n")  # fmt: skip
+        print("| shape | comparison | matmul floor per step, ours / TRL | share of the step, ours / TRL |")
+        print("|---|---|---|---|")
+        for r in summary:
+            if "floor_ours" in r:
+                shape = "tiny (0.8M)" if r["preset"] == "tiny" else "GPT-2 124M shape"
+                print(f"| {shape} | {r['label']} | {r['floor_ours'] * 1e3:.1f} / {r['floor_trl'] * 1e3:.1f} ms | "
+                      f"{r['floor_pct_ours']:.0%} / {r['floor_pct_trl']:.0%} |")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), same=SAME, different=DIFFERENT, summary=summary), f, indent=1)
