@@ -399,7 +399,9 @@ def bench_cuda(args: Args, device, sync) -> list[dict]:
 
 def main(args: Args):
     if args.sections == "memory_worker":  # internal: what bench_memory launches under torchrun
-        return memory_worker(args)
+        memory_worker(args)
+        sys.stdout.flush()
+        os._exit(0)  # skip the interpreter's teardown, which can abort on gloo's threads (see run() in sft.py)
     sections = args.sections.split(",")
     if set(sections) - set(SECTIONS):
         unknown = sorted(set(sections) - set(SECTIONS))
