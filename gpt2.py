@@ -20,6 +20,7 @@ What RLHF needs beyond nanoGPT:
 import json
 import math
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -68,6 +69,62 @@ class LayerCache:
         return self.k[:, :, : pos + k.size(2)], self.v[:, :, : pos + k.size(2)]
 
 
+def _cpu_gemm_library() -> str:
+    """Which library runs the model's fp32 GEMMs on CPU. torch's CPU build sends them to MKL, which takes a generic,
+    slower code path on AMD CPUs; oneDNN, also inside torch, runs the same products there 1.2-1.4x faster at training
+    shapes and 2-3x faster at generation's few rows (2-core AMD EPYC with AVX-512, docs/benchmarks.md). On Intel CPUs
+    the two were equal at generation's shapes, so torch's default stays. GPT2_CPU_GEMM=mkl|onednn overrides."""
+    choice = os.environ.get("GPT2_CPU_GEMM", "auto")
+    if choice in ("mkl", "onednn"):
+        return choice
+    if choice != "auto":
+        print(f"warning: GPT2_CPU_GEMM={choice} is not auto, mkl or onednn: using auto", file=sys.stderr)
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:  # not Linux
+        vendor = ""
+    return "onednn" if vendor == "AuthenticAMD" and torch.backends.mkldnn.is_available() else "mkl"
+
+
+ONEDNN = _cpu_gemm_library() == "onednn"
+
+
+def _onednn(x, w_out_in, b=None):  # x (M, in) @ w_out_in.T + b; w_out_in (out, in) may be a transposed view
+    return torch.ops.mkldnn._linear_pointwise(x, w_out_in, b, "none", [], "")
+
+
+class OneDNNMatmul(torch.autograd.Function):
+    """x (M, in) @ w + b for w (in, out), or x @ w.T for w (out, in) (`out_in`), forward and backward on oneDNN,
+    except the weight's gradient, which MKL computes as fast (same measurements as above)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, out_in):
+        ctx.save_for_backward(x, w)
+        ctx.out_in = out_in
+        return _onednn(x, w if out_in else w.t(), b)
+
+    @staticmethod
+    def backward(ctx, g):  # g (M, out)
+        x, w = ctx.saved_tensors
+        gx = _onednn(g, w.t() if ctx.out_in else w) if ctx.needs_input_grad[0] else None  # g @ w(out, in)
+        gw = (g.t() @ x if ctx.out_in else x.t() @ g) if ctx.needs_input_grad[1] else None
+        return gx, gw, g.sum(0) if ctx.needs_input_grad[2] else None, None
+
+
+def matmul(x, w, b=None, out_in=False):
+    """x (M, in) @ w (in, out) + b, or x @ w.T for a weight stored (out, in): in fp32 on CPU through oneDNN where
+    ONEDNN, else torch's own GEMM (MKL on CPU, cuBLAS on CUDA, bf16 under autocast; torch.compile picks its own)."""
+    cpu_fp32 = x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+    if ONEDNN and cpu_fp32 and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return OneDNNMatmul.apply(x, w, b, out_in)
+        return _onednn(x, w if out_in else w.t(), b)
+    if out_in:
+        return F.linear(x, w, b)
+    return x @ w if b is None else torch.addmm(b, x, w)
+
+
 class Conv1D(nn.Module):
     """y = x @ weight + bias with weight (in, out): GPT-2's own layout (OpenAI's TF code, HF's `Conv1D`), not
     nn.Linear's (out, in). Why: in generation's decode step (a few rows against every weight) the CPU GEMM is faster
@@ -80,7 +137,7 @@ class Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_out))
 
     def forward(self, x):  # (..., in) -> (..., out)
-        return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+        return matmul(x.reshape(-1, x.size(-1)), self.weight, self.bias).view(*x.shape[:-1], -1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -175,7 +232,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {self.config.block_size}")
         # wte is tied to lm_head: when the logits are computed, the lookup's gradient (B*T rows) is passed sparse and
         # added into lm_head's dense (V, C) gradient, instead of building a zero (V, C) tensor and adding two of them
-        tok = F.embedding(idx, self.transformer.wte.weight, sparse=not return_hidden and torch.is_grad_enabled())
+        # (not under torch.compile, whose inductor cannot take a sparse gradient)
+        sparse = not return_hidden and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        tok = F.embedding(idx, self.transformer.wte.weight, sparse=sparse)
         x = self.transformer.drop(tok + self.transformer.wpe(position_ids))
         for i, block in enumerate(self.transformer.h):
             cache = None if kv_cache is None else kv_cache[i]
@@ -188,7 +247,8 @@ class GPT(nn.Module):
 
     def logits(self, x):
         """Hidden states (..., C) → logits (..., n_logits)."""
-        return self.lm_head(x) if self.n_logits == self.config.vocab_size else x @ self.lm_head.weight[: self.n_logits].t()
+        w = self.lm_head.weight if self.n_logits == self.config.vocab_size else self.lm_head.weight[: self.n_logits]
+        return matmul(x.reshape(-1, x.size(-1)), w, out_in=True).view(*x.shape[:-1], -1)
 
     def decode_step(self, token, position, bias, kv_cache, pos):
         """Generation's inner loop: one new token per row, token and position (B,), written to cache slot `pos`; it
@@ -198,9 +258,12 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(token) + self.transformer.wpe(position))[:, None]  # (B, 1, C)
         for block, cache in zip(self.transformer.h, kv_cache):
             x = block(x, bias, cache, pos)
-        # (V, C) @ (C, B), not (B, C) @ (C, V): with a few rows the CPU GEMM reads the tied (V, C) embedding 1.5x
-        # faster this way round (50257 x 768, 8 rows: 10 vs 15 ms per token); the (B, V) result is a transposed view
-        return (self.lm_head.weight[: self.n_logits] @ self.transformer.ln_f(x[:, 0]).t()).t()
+        h, w = self.transformer.ln_f(x[:, 0]), self.lm_head.weight[: self.n_logits]  # (B, C), (V, C)
+        if ONEDNN and h.device.type == "cpu":
+            return self.logits(h)
+        # (V, C) @ (C, B), not (B, C) @ (C, V): with a few rows MKL reads the tied (V, C) embedding 1.5x faster this
+        # way round (50257 x 768, 8 rows: 10 vs 15 ms per token on a Xeon); the (B, V) result is a transposed view
+        return (w @ h.t()).t()
 
     def new_kv_cache(self, max_len):
         """One cache per layer for sequences of up to max_len tokens, filled by `forward(..., kv_cache=, pos=)`."""

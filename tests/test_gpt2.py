@@ -179,3 +179,26 @@ def test_generation_logprobs_equal_a_separate_forward_pass():
     logits = model(torch.cat([query, response], 1), attention_mask=mask, keep_from=query.size(1) - 1)[:, :-1]
     expected = (logits / temperature).log_softmax(-1).gather(-1, response[..., None]).squeeze(-1)
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("n_logits", [V, V - 1])
+def test_onednn_gemms_equal_torch_gemms(monkeypatch, n_logits):
+    """gpt2.matmul through oneDNN (the default on AMD CPUs) gives torch's own GEMM's logits, gradients and greedy
+    generations, for the tied head in full and sliced (a padded vocabulary)."""
+    seqs, query = batch()
+    out = []
+    for onednn in (False, True):
+        monkeypatch.setattr(gpt2, "ONEDNN", onednn)
+        model = tiny_model().train()
+        model.n_logits = n_logits
+        logits = model(query, attention_mask=(query != PAD).long())
+        (logits.float().log_softmax(-1)[..., 0].sum() + logits.square().mean()).backward()
+        grads = {n: p.grad.to_dense() for n, p in model.named_parameters()}
+        out.append((logits.detach(), grads, gpt2.generate(model.eval(), query, PAD, 8, temperature=0.0)))
+    (l0, g0, r0), (l1, g1, r1) = out
+    torch.testing.assert_close(l1, l0, atol=1e-4, rtol=1e-5)
+    assert g0.keys() == g1.keys() and all(g0[n].abs().max() > 0 for n in g0 if "wpe" not in n)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert torch.equal(r0, r1)
