@@ -10,6 +10,9 @@
    of the scripts' own `shard_model`).
 4. optimizer: one AdamW step over each preset's parameters, torch's three implementations (for-loop, foreach,
    fused) side by side: the scripts use fused on CPU and CUDA.
+4b. gemm (CPU): the model's fp32 GEMMs through MKL (torch's default) and oneDNN (gpt2.matmul's choice on AMD CPUs),
+   at a decode step's rows and at a training batch's rows: the forward, the input's and the weight's gradients, and
+   all of a decode step's GEMMs in model order against the time to read every weight once.
 5. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s (CUDA only).
 
 Timings are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine hits both alike; each
@@ -21,6 +24,7 @@ a benchmark-only dependency: pip install -r requirements-test.txt.
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
     python experiments/bench.py --sections memory --memory_preset gpt2-medium
     python experiments/bench.py --sections optimizer --presets tiny --repeats 3     # a smoke run (seconds)
+    python experiments/bench.py --sections gemm --presets tiny,gpt2                  # MKL vs oneDNN on this CPU
 """
 
 import json
@@ -44,14 +48,14 @@ sys.path.insert(0, ROOT)  # gpt2.py lives at the repository root
 
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "generate", "memory", "optimizer", "cuda")
+SECTIONS = ("forward", "generate", "memory", "optimizer", "gemm", "cuda")
 TINY_VOCAB = 257  # the offline arithmetic task's byte tokenizer; the other presets keep GPT-2's 50257
 
 
 @dataclass
 class Args:
-    sections: str = "forward,generate,memory,optimizer,cuda"
-    """comma-separated sections: forward, generate, memory, optimizer, cuda (cuda is skipped without a GPU)"""
+    sections: str = "forward,generate,memory,optimizer,gemm,cuda"
+    """comma-separated sections: forward, generate, memory, optimizer, gemm (CPU only), cuda (skipped without a GPU)"""
     presets: str = "tiny,gpt2"
     """comma-separated gpt2.py presets for the forward, generate and optimizer sections"""
     dtypes: str = "auto"
@@ -310,6 +314,39 @@ def bench_optimizer(args: Args, device, sync) -> list[dict]:
     return rows
 
 
+def bench_gemm(args: Args, device, sync) -> tuple[list[dict], list[dict]]:
+    """MKL vs oneDNN for each linear layer's shape, (rows, in) @ (in, out) with the weight stored (in, out) as in
+    gpt2.py, at gen_batch rows (a decode step) and at a training batch's rows; then one decode step's GEMMs over every
+    layer's own weight (weights streamed from memory as in generation) against reading every weight once."""
+    onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w.t(), None, "none", [], "")  # noqa: E731  x @ w
+    rows, decode = [], []
+    for preset in args.presets.split(","):
+        cfg = gpt2.make_config(preset, vocab_size=TINY_VOCAB if preset == "tiny" else None)
+        C, gen_rows = cfg.n_embd, args.gen_batch or (64 if preset == "tiny" else 8)
+        train_rows = (128 if preset == "tiny" else 8) * 22  # the GRPO benchmark's batch x (prompt + response)
+        torch.manual_seed(args.seed)
+        for m in (gen_rows, train_rows):
+            for k, n in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C), (C, cfg.vocab_size)):
+                x, w, g = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
+                fns = {"fwd mkl": lambda: x @ w, "fwd onednn": lambda: onednn(x, w),
+                       "dx mkl": lambda: g @ w.t(), "dx onednn": lambda: onednn(g, w.t()),
+                       "dw mkl": lambda: x.t() @ g, "dw onednn": lambda: onednn(x.t(), g.t())}  # fmt: skip
+                sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
+                row = {"preset": preset, "rows x in x out": f"{m}x{k}x{n}"} | {f"{f} us": 1e6 * t for f, t in sec.items()}
+                for part in ("fwd", "dx", "dw"):
+                    row |= speedup(times, f"{part} onednn", f"{part} mkl", f"{part} mkl/onednn")
+                rows += show([row])
+        weights = [torch.randn(k, n) for k, n in [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * cfg.n_layer]
+        xs = {k: torch.randn(gen_rows, k) for k in (C, 4 * C)}
+        fns = {"decode mkl": lambda: [xs[w.shape[0]] @ w for w in weights],
+               "decode onednn": lambda: [onednn(xs[w.shape[0]], w) for w in weights],
+               "read weights": lambda: [w.sum() for w in weights]}  # fmt: skip
+        sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
+        row = {"preset": preset, "rows": gen_rows, "GEMMs": len(weights)} | {f"{f} ms": 1e3 * t for f, t in sec.items()}
+        decode += show([row | speedup(times, "decode onednn", "decode mkl", "mkl/onednn")])
+    return rows, decode
+
+
 class ScoredGPT(gpt2.GPT):
     """GPT-2 with a scalar head, the shape of ppo.py's value and reward models: (B, T) ids -> (B, T) scalars."""
 
@@ -421,6 +458,10 @@ def main(args: Args):
         "local shards; peak RSS includes building the full models on every rank before sharding (torchrun workers "
         "run with MALLOC_MMAP_THRESHOLD_=131072 unless set)",
         optimizer="one torch.optim.AdamW step (gradients present) over all parameters of a preset",
+        gemm="fp32 GEMMs of each linear layer's shape through MKL (torch's default) and oneDNN (gpt2.py's choice on AMD "
+        "CPUs): forward x @ W, the input's gradient g @ W.T and the weight's x.T @ g",
+        gemm_decode="a decode step's GEMMs (every block's four, each layer's own weight, in model order) through MKL and "
+        "oneDNN, against reading every one of those weights once (w.sum())",
         cuda="GPT-2 124M, sft.py-like bf16 training step; MFU = (6 N + 12 L C T) tokens / s / peak",
     )
     for section in sections:
@@ -433,6 +474,8 @@ def main(args: Args):
             results[section] = bench_memory(args, device)
         elif section == "optimizer":
             results[section] = bench_optimizer(args, device, sync)
+        elif section == "gemm":
+            results[section], results["gemm_decode"] = bench_gemm(args, device, sync) if torch.backends.mkldnn.is_available() else ([], [])
         elif device.type == "cuda":
             results[section] = bench_cuda(args, device, sync)
         else:

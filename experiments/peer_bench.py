@@ -17,7 +17,8 @@ scripts: a global optimizer-step hook; TRL: a TrainerCallback's on_step_end), th
 and evaluation excluded; the process exits right after its last timed step. Ours and TRL's runs alternate (ABBA over
 turns), each turn gives a ratio ours/TRL of throughputs; the summary is the median and range over turns, plus the
 peak RSS of each process (ru_maxrss from wait4). A last table gives the limit: the GEMMs each step cannot avoid,
-timed alone at their shapes on this machine (`matmul_floor`), as a share of each side's measured step time.
+timed alone at their shapes on this machine with the faster of torch's two CPU GEMM libraries (`matmul_floor`), as a
+share of each side's measured step time.
 
 Needs its own venv (trl, transformers, datasets, accelerate on top of the runtime packages); our scripts run in it too,
 so both sides use the same torch:
@@ -26,6 +27,7 @@ so both sides use the same torch:
     /work/peer-venv/bin/python experiments/peer_bench.py                         # all: ~8 min on 2 quiet cores
     /work/peer-venv/bin/python experiments/peer_bench.py --sections grpo --presets gpt2 --turns 5
     /work/peer-venv/bin/python experiments/peer_bench.py --turns 1 --steps 3 --warmup 1   # a smoke run, ~3 min
+    /work/peer-venv/bin/python experiments/peer_bench.py --compare_gemm --turns 5   # + ours on torch's default GEMMs
 """
 
 import json
@@ -83,6 +85,9 @@ class Args:
     """seconds after which one run is killed (and the benchmark stops with its log)"""
     keep: bool = False
     """keep the temporary dir (models, datasets, logs of every run) and print its path"""
+    compare_gemm: bool = False
+    """also run each of our scripts with GPT2_CPU_GEMM=mkl (torch's default GEMMs) in the same turns: the ratio with
+    and without gpt2.py's oneDNN GEMMs, and the lever's own (matters on AMD CPUs, where gpt2.py picks oneDNN)"""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -348,7 +353,8 @@ def run_child(spec: dict, tmp: str, env: dict, timeout: float) -> dict:
         json.dump(spec, f)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec_path], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec_path], cwd=ROOT,
+                                env=dict(env, **spec.get("env", {})),
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         killer = threading.Timer(timeout, proc.kill)
         killer.start()
@@ -400,12 +406,15 @@ def matmul_floor(preset: str, vocab_size: int, passes: list, repeats: int = 5, c
     """Seconds the GEMMs of `passes` take on this machine: for each pass, every linear layer's GEMM (rows x in) @
     (in x out) in model order, each layer with its own weight as in the model (so weights come from memory, not from
     a cache warmed by repeating one GEMM); 1 GEMM per layer for a forward, 3 for forward + backward (the input's and
-    the weight's gradients). Median of `repeats` per pass, summed over passes. Attention, norms, the optimizer and all
-    overhead are left out."""
+    the weight's gradients). Each pass is timed with both GEMM libraries in torch's CPU build, MKL (torch's default)
+    and oneDNN (gpt2.py's choice on AMD CPUs), and the faster counts: the machine's best GEMM rate. Median of
+    `repeats` per pass, summed over passes. Attention, norms, the optimizer and all overhead are left out."""
     import torch
 
     import gpt2
 
+    onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w.t(), None, "none", [], "")  # noqa: E731  x @ w
+    libraries = [torch.mm] + [onednn] * torch.backends.mkldnn.is_available()
     cfg = gpt2.make_config(preset, vocab_size=vocab_size)
     C = cfg.n_embd
     if (preset, vocab_size) not in cache:  # one weight per linear layer, as in the model
@@ -417,16 +426,19 @@ def matmul_floor(preset: str, vocab_size: int, passes: list, repeats: int = 5, c
         if key not in cache:
             xs = {w.shape[0]: torch.randn(key[3], w.shape[0]) for w in weights}  # (rows, in) inputs
             gs = {w.shape[1]: torch.randn(key[3], w.shape[1]) for w in weights}  # (rows, out) output gradients
-            times = []
-            for _ in range(repeats + 1):  # the first is a warmup
-                t0 = time.perf_counter()
-                for w in weights:
-                    x, g = xs[w.shape[0]], gs[w.shape[1]]
-                    x @ w
-                    if kind == "fwdbwd":
-                        g @ w.t(), x.t() @ g
-                times.append(time.perf_counter() - t0)
-            cache[key] = statistics.median(times[1:])
+            best = float("inf")
+            for mm in libraries:
+                times = []
+                for _ in range(repeats + 1):  # the first is a warmup
+                    t0 = time.perf_counter()
+                    for w in weights:
+                        x, g = xs[w.shape[0]], gs[w.shape[1]]
+                        mm(x, w)
+                        if kind == "fwdbwd":
+                            mm(g, w.t()), mm(x.t(), g)
+                    times.append(time.perf_counter() - t0)
+                best = min(best, statistics.median(times[1:]))
+            cache[key] = best
         total += cache[key]
     return total
 
@@ -441,6 +453,15 @@ def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str,
     data_dir = os.path.join(tmp, f"data-{preset}-{section}")
     tokens_per_row = build_data(data_dir, {split: steps * rows_per_step})
     notes, comps = comparisons(section, p, steps, model_dir, data_dir, tokens_per_row, args.dtype)
+    if args.compare_gemm:  # each of our runs again on torch's default GEMMs, in the same turns
+        extra, pairs = [], set()
+        for label, unit, units, ours, trl_, _ in comps:
+            mkl = dict(ours, tag=ours["tag"] + "-mkl", env={"GPT2_CPU_GEMM": "mkl"})
+            extra.append((f"{label} [ours on MKL]", unit, units, mkl, trl_, "ours with GPT2_CPU_GEMM=mkl"))
+            if ours["tag"] not in pairs:
+                pairs.add(ours["tag"])
+                extra.append((f"{ours['script']} oneDNN / MKL", unit, units, ours, mkl, "the GEMM lever alone"))
+        comps = comps + extra
     runs = {}  # the distinct runs of the section (dpo.py's serves both TRL modes), in a fixed order
     for spec in [spec for c in comps for spec in c[3:5]]:
         if spec["tag"] not in runs:
@@ -471,7 +492,7 @@ def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str,
                          rss_ours=statistics.median(r["rss_mb"] for r in o),
                          rss_trl=statistics.median(r["rss_mb"] for r in t), runs=o + t))  # fmt: skip
         beta, ref = float(trl_.get("beta", 0.0)), not trl_.get("precompute", True)
-        for side, res in (("ours", o), ("trl", t)) if args.dtype == "float32" else ():  # fp32 GEMMs only
+        for side, res in (("ours", o), ("trl", t)) if args.dtype == "float32" and trl_["side"] == "trl" else ():
             floor = matmul_floor(preset, vocab_size, step_passes(section, p, tokens_per_row, side, beta, ref))
             rows[-1] |= {f"floor_{side}": floor, f"floor_pct_{side}": floor / statistics.median(r["step_s"] for r in res)}
         print(f"   {label}: ours/TRL {unit} per turn {' '.join(f'{r:.2f}' for r in ratios)} -> median "
@@ -501,8 +522,12 @@ def main(args: Args) -> None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    import gpt2
+
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "
-          f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}", flush=True)  # fmt: skip
+          f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}; our fp32 CPU GEMMs: "
+          f"{'oneDNN' if gpt2.ONEDNN else 'MKL'} (GPT2_CPU_GEMM={env.get('GPT2_CPU_GEMM', 'auto')}), TRL's: MKL",
+          flush=True)  # fmt: skip
     print(f"both sides: {', '.join(SAME)}; differences: {'; '.join(DIFFERENT)}", flush=True)
     meta, tmp, summary = data.load_meta("arithmetic"), tempfile.mkdtemp(prefix="peer_bench_"), []
     try:
@@ -542,7 +567,7 @@ def main(args: Args) -> None:
     if args.dtype == "float32":  # the floor times fp32 GEMMs
         print("\nThe limit: the GEMMs a step cannot avoid (its training forward + backward, and the reference forward "
               "and the rollout's forwards where the side runs them), one weight per layer as in the model, timed on "
-              "this machine, against each side's measured time per step\n")  # fmt: skip
+              "this machine with the faster of MKL and oneDNN, against each side's measured time per step\n")  # fmt: skip
         print("| shape | comparison | matmul floor per step, ours / TRL | share of the step, ours / TRL |")
         print("|---|---|---|---|")
         for r in summary:
