@@ -330,7 +330,7 @@ def bench_gemm(args: Args, device, sync) -> tuple[list[dict], list[dict]]:
                 x, w, g = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
                 fns = {"fwd mkl": lambda: x @ w, "fwd onednn": lambda: onednn(x, w),
                        "dx mkl": lambda: g @ w.t(), "dx onednn": lambda: onednn(g, w.t()),
-                       "dw mkl": lambda: x.t() @ g, "dw onednn": lambda: onednn(x.t(), g.t())}  # fmt: skip
+                       "dw mkl": lambda: x.t() @ g, "dw onednn": lambda: onednn(x.t(), g)}  # fmt: skip
                 sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
                 row = {"preset": preset, "rows x in x out": f"{m}x{k}x{n}"} | {f"{f} us": 1e6 * t for f, t in sec.items()}
                 for part in ("fwd", "dx", "dw"):
