@@ -159,9 +159,13 @@ def sequence_logprobs(model, query, response, pad_token_id, eos_token_id, ctx):
     """log π(response | query) (B,): token log-probs summed up to and including the first stop token, never a pad."""
     mask = response_mask(response, eos_token_id)  # (B, Tr)
     attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    with ctx:  # logits from the last prompt position on: position t predicts token t + 1
-        logits = model(torch.cat([query, response], 1), attention_mask=attention_mask, keep_from=query.size(1) - 1)
-    logprobs = -F.cross_entropy(logits[:, :-1].float().flatten(0, 1), response.flatten().long(), reduction="none")
+    with ctx:
+        # logits from the last prompt position on: position t predicts token t + 1, so the last token is only
+        # predicted, never read, and is left out of the input. A prompt that several rows share (a pair's chosen and
+        # rejected) runs once (shared_prefix): the same numbers for half the prompt's compute
+        logits = model(torch.cat([query, response[:, :-1]], 1), attention_mask=attention_mask[:, :-1],
+                       keep_from=query.size(1) - 1, shared_prefix=query.size(1) - 1)  # (B, Tr, V) fmt: skip
+    logprobs = -F.cross_entropy(logits.float().flatten(0, 1), response.flatten().long(), reduction="none")
     return (logprobs.view_as(mask) * mask).sum(1)
 
 

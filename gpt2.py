@@ -13,10 +13,14 @@ What RLHF needs beyond nanoGPT:
   greedy and a stop token. Under FSDP2 the model is unsharded once for the whole generation, not once per token.
   Sampling can take its uniforms from the caller (`noise`) so a global batch samples identically on 1 or N ranks.
 - **Hidden states** (`return_hidden=True`) for the reward and value heads that the scripts own.
+- **Shared prompts** (`forward(shared_prefix=n)`): a GRPO group's G responses, or a preference pair's two, continue
+  one prompt; each distinct prompt runs once and its rows read its keys and values, in the same autograd graph:
+  the same logits and gradients for 1/G of the prompt's compute. Generation prefills a repeated prompt once.
 - **Speed on CPU**: every projection goes through `matmul`, which on AMD CPUs runs the fp32 GEMMs of GPT-2-sized
   layers through oneDNN instead of MKL (a GRPO step of the GPT-2 124M shape 1.4-1.5x faster there); ~60 lines.
 
     GPT2_CPU_GEMM=mkl python grpo.py     # force torch's default GEMM library (or onednn) for an A/B comparison
+    GPT2_SHARED_PREFIX=0 python grpo.py  # run every row's prompt in full, for an A/B comparison
     python gpt2.py                       # prints the parameter count of each preset
 """
 
@@ -71,6 +75,12 @@ class LayerCache:
         self.v[:, :, pos : pos + k.size(2)] = v
         return self.k[:, :, : pos + k.size(2)], self.v[:, :, : pos + k.size(2)]
 
+    def share(self, rows, n):
+        """Slots 0..n of B' distinct prefixes out to B rows: row b takes prefix rows[b]'s (a copy, differentiable)."""
+        k, v = self.k[rows, :, :n], self.v[rows, :, :n]
+        self.k = self.v = None
+        self.update(k, v, 0)
+
 
 def _cpu_gemm_library() -> str:
     """Which library runs the model's fp32 GEMMs on CPU. torch's CPU build sends them to MKL, which takes a generic,
@@ -91,6 +101,8 @@ def _cpu_gemm_library() -> str:
 
 
 ONEDNN = _cpu_gemm_library() == "onednn"
+# GPT2_SHARED_PREFIX=0 turns off `forward(shared_prefix=)`'s sharing, for A/B comparisons (docs/benchmarks.md)
+SHARE_PREFIX = os.environ.get("GPT2_SHARED_PREFIX", "1") != "0"
 # below this many weights (the tiny preset's 128-wide layers) oneDNN's fixed cost per call outweighs its gain: a
 # 64 x 128 x 128 GEMM takes 49 us there against MKL's 20; from GPT-2 124M's 768 x 768 on it is the faster one
 ONEDNN_MIN_WEIGHTS = 1 << 18
@@ -184,7 +196,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, attn_mask, kv_cache=None, pos=0):
+    def forward(self, x, attn_mask, kv_cache=None, pos=0, prefix=None):
+        """x (B, T, C) at cache slots pos..; with prefix = (xp (B', pos, C), its attention mask, rows (B,)), x's rows
+        continue B' distinct prefixes (row b prefix rows[b]): they run first and fill slots 0..pos of every row's
+        cache. Returns x, or (x, xp) with a prefix (GPT.forward's shared_prefix)."""
+        if prefix is None:
+            return self.residual(x, attn_mask, kv_cache, pos)
+        xp, prefix_mask, rows = prefix
+        xp = self.residual(xp, prefix_mask, kv_cache, 0)
+        kv_cache.share(rows, pos)
+        return self.residual(x, attn_mask, kv_cache, pos), xp
+
+    def residual(self, x, attn_mask, kv_cache, pos):
         x = x + self.attn(self.ln_1(x), attn_mask, kv_cache, pos)
         return x + self.mlp(self.ln_2(x))
 
@@ -219,10 +242,46 @@ class GPT(nn.Module):
         if isinstance(m, (nn.Linear, Conv1D)) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx, attention_mask=None, kv_cache=None, pos=0, return_hidden=False, keep_from=0):
+    def forward(self, idx, attention_mask=None, kv_cache=None, pos=0, return_hidden=False, keep_from=0, shared_prefix=0):
         """idx (B, T) token ids; attention_mask (B, pos + T), 1 = real token (None = no padding); kv_cache from
         `new_kv_cache`, with `pos` the number of cached steps. Returns logits (B, T', V), or hidden states (B, T', C),
-        for positions keep_from.. only (T' = T - keep_from): RL needs no (B, T, V) logits over the prompt."""
+        for positions keep_from.. only (T' = T - keep_from): RL needs no (B, T, V) logits over the prompt.
+        shared_prefix = n > 0 says the first n columns of idx and attention_mask repeat across rows (a GRPO group's
+        prompt, a DPO pair's): each distinct prefix runs once and its rows read its keys and values, which gives the
+        same outputs (to float rounding) for 1/G of the prefix's compute (needs pos == 0 and keep_from >= n)."""
+        B, T = idx.shape
+        # wte is tied to lm_head: when the logits are computed, the lookup's gradient (B*T rows) is passed sparse and
+        # added into lm_head's dense (V, C) gradient, instead of building a zero (V, C) tensor and adding two of them
+        # (not under torch.compile, whose inductor cannot take a sparse gradient)
+        sparse = not return_hidden and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        checkpointing = self.activation_checkpointing and self.training
+        n, prefix = min(shared_prefix, T - 1) if SHARE_PREFIX and not checkpointing else 0, None
+        if n > 0:
+            if pos != 0 or keep_from < n:
+                raise ValueError(f"shared_prefix={n} needs pos=0 and keep_from >= {n}, got pos={pos}, keep_from={keep_from}")
+            mask = torch.ones_like(idx) if attention_mask is None else attention_mask
+            # the distinct (prefix, its mask) rows; row b continues prefix rows[b]
+            uniq, rows = torch.unique(torch.cat([idx[:, :n], mask[:, :n].to(idx.dtype)], 1), dim=0, return_inverse=True)
+            if len(uniq) < B:  # (B', n, C) hidden states of the distinct prefixes, their (B', 1, n, n) attention mask
+                prefix = (*self.embed(uniq[:, :n], uniq[:, n:], 0, sparse), rows)
+                idx, attention_mask, pos, keep_from = idx[:, n:], mask, n, keep_from - n
+                kv_cache = self.new_kv_cache(T) if kv_cache is None else kv_cache
+        x, attn_mask = self.embed(idx, attention_mask, pos, sparse)
+        for i, block in enumerate(self.transformer.h):
+            cache = None if kv_cache is None else kv_cache[i]
+            if prefix is not None:  # one call per block with both (FSDP2 gathers its weights once per call)
+                x, xp = block(x, attn_mask, cache, pos, prefix)
+                prefix = (xp, *prefix[1:])
+            elif checkpointing:
+                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, cache, pos, use_reentrant=False)
+            else:
+                x = block(x, attn_mask, cache, pos)
+        x = self.transformer.ln_f(x[:, keep_from:])
+        return x if return_hidden else self.logits(x)
+
+    def embed(self, idx, attention_mask, pos, sparse=False):
+        """Token + position embeddings (B, T, C) of idx (B, T) at cache slots pos.., and the attention mask (B, 1, T,
+        pos + T) of its queries (None: no padding, the causal kernel): positions count each row's real tokens."""
         B, T = idx.shape
         if attention_mask is None and pos > 0:
             attention_mask = torch.ones(B, pos + T, dtype=torch.long, device=idx.device)
@@ -236,20 +295,8 @@ class GPT(nn.Module):
             attn_mask = ((k_idx <= q_idx) & attention_mask.bool()[:, None, None, :]) | (k_idx == q_idx)  # (B,1,T,S)
         if pos + T > self.config.block_size:  # a shape check: no device sync, unlike checking position_ids.max()
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {self.config.block_size}")
-        # wte is tied to lm_head: when the logits are computed, the lookup's gradient (B*T rows) is passed sparse and
-        # added into lm_head's dense (V, C) gradient, instead of building a zero (V, C) tensor and adding two of them
-        # (not under torch.compile, whose inductor cannot take a sparse gradient)
-        sparse = not return_hidden and torch.is_grad_enabled() and not torch.compiler.is_compiling()
         tok = F.embedding(idx, self.transformer.wte.weight, sparse=sparse)
-        x = self.transformer.drop(tok + self.transformer.wpe(position_ids))
-        for i, block in enumerate(self.transformer.h):
-            cache = None if kv_cache is None else kv_cache[i]
-            if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, cache, pos, use_reentrant=False)
-            else:
-                x = block(x, attn_mask, cache, pos)
-        x = self.transformer.ln_f(x[:, keep_from:])
-        return x if return_hidden else self.logits(x)
+        return self.transformer.drop(tok + self.transformer.wpe(position_ids)), attn_mask
 
     def logits(self, x):
         """Hidden states (..., C) → logits (..., n_logits)."""
@@ -496,7 +543,8 @@ def generate(
     real = query != pad_token_id  # (B, Tq)
     with unsharded(model):
         kv = model.new_kv_cache(Tq + max_new_tokens)
-        logits = model(query, attention_mask=real.long(), kv_cache=kv, pos=0, keep_from=Tq - 1)[:, -1]
+        # a prompt repeated G times (GRPO's groups) is prefilled once: shared_prefix
+        logits = model(query, attention_mask=real.long(), kv_cache=kv, keep_from=Tq - 1, shared_prefix=Tq - 1)[:, -1]
         # for decode_step: the additive bias over all slots (padding -inf, every response slot 0) in the cache's
         # dtype, and each row's next absolute position (its number of real prompt tokens)
         bias = torch.zeros(B, 1, 1, Tq + max_new_tokens, dtype=kv[0].k.dtype, device=query.device)

@@ -254,9 +254,12 @@ def forward_logprobs(model, query, response, pad_token_id, eos_token_id, tempera
     at a time, so it adds no (B, Tr, V) temporaries on top of it."""
     attention_mask = torch.cat([query != pad_token_id, response_mask(response, eos_token_id)], 1)
     with ctx:
-        # logits from the last prompt position on: position t predicts token t + 1
-        logits = model(torch.cat([query, response], 1), attention_mask=attention_mask, keep_from=query.size(1) - 1)
-    logp = (logits[:, :-1].float() / temperature).log_softmax(-1)  # (B, Tr, V)
+        # logits from the last prompt position on: position t predicts token t + 1, so the last token is only
+        # predicted, never read, and is left out of the input. A group's G rows share their prompt: it runs once per
+        # group (shared_prefix), the same numbers for 1/G of the prompt's compute
+        logits = model(torch.cat([query, response[:, :-1]], 1), attention_mask=attention_mask[:, :-1],
+                       keep_from=query.size(1) - 1, shared_prefix=query.size(1) - 1)  # fmt: skip
+    logp = (logits.float() / temperature).log_softmax(-1)  # (B, Tr, V)
     entropy = None
     if with_entropy:
         with torch.no_grad():
@@ -589,8 +592,9 @@ class ScalarModel(gpt2.GPT):
         nn.init.zeros_(self.score.bias)
         self.reward_gain, self.reward_bias = gain, bias
 
-    def forward(self, query_response, attention_mask, keep_from: int = 0):
-        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True, keep_from=keep_from)
+    def forward(self, query_response, attention_mask, keep_from: int = 0, shared_prefix: int = 0):
+        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True, keep_from=keep_from,
+                                 shared_prefix=shared_prefix)  # fmt: skip
         return self.score(hidden).squeeze(-1).float() * self.reward_gain + self.reward_bias  # (B, T)
 
 
@@ -610,7 +614,9 @@ def get_reward(model, query, response, pad_token_id: int, eos_token_id: int):
     eos), so a response is scored the same however it is padded."""
     mask = response_mask(response, eos_token_id)  # (B, Tr) up to and including the stop token
     attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    scores = model(torch.cat([query, response], 1), attention_mask, keep_from=query.size(1))  # (B, Tr)
+    # a prompt several rows share (a preference pair's, a GRPO group's) runs once: gpt2.GPT.forward's shared_prefix
+    query_response, Tq = torch.cat([query, response], 1), query.size(1)
+    scores = model(query_response, attention_mask, keep_from=Tq, shared_prefix=Tq)  # (B, Tr)
     return scores.gather(1, mask.sum(1, keepdim=True) - 1).squeeze(1)
 
 

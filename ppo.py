@@ -304,15 +304,17 @@ def sequence_inputs(query, response, pad_token_id, eos_token_id):
 
 
 def forward_logits(model, query_response, attention_mask, context_length, ctx):
-    """Logits (B, Tr, V) of each response token: position t's logits predict token t + 1."""
+    """Logits (B, Tr, V) of each response token: position t's logits predict token t + 1, so the last token is only
+    predicted, never read, and is left out of the input (one position less of compute)."""
     with ctx:
-        return model(query_response, attention_mask=attention_mask, keep_from=context_length - 1)[:, :-1]
+        return model(query_response[:, :-1], attention_mask=attention_mask[:, :-1], keep_from=context_length - 1)
 
 
 def forward_values(model, query_response, attention_mask, context_length, ctx):
-    """Values (B, Tr): the value of the state before each response token (read where its logits would be)."""
+    """Values (B, Tr): the value of the state before each response token (read where its logits would be; the last
+    token is left out of the input as in forward_logits)."""
     with ctx:
-        return model(query_response, attention_mask, keep_from=context_length - 1)[:, :-1]
+        return model(query_response[:, :-1], attention_mask[:, :-1], keep_from=context_length - 1)
 
 
 class ScalarModel(gpt2.GPT):
@@ -334,8 +336,9 @@ class ScalarModel(gpt2.GPT):
         nn.init.zeros_(self.score.bias)
         self.reward_gain, self.reward_bias = gain, bias
 
-    def forward(self, query_response, attention_mask, keep_from: int = 0):
-        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True, keep_from=keep_from)
+    def forward(self, query_response, attention_mask, keep_from: int = 0, shared_prefix: int = 0):
+        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True, keep_from=keep_from,
+                                 shared_prefix=shared_prefix)  # fmt: skip
         return self.score(hidden).squeeze(-1).float() * self.reward_gain + self.reward_bias  # (B, T - keep_from)
 
 
@@ -355,7 +358,9 @@ def get_reward(model, query, response, pad_token_id: int, eos_token_id: int):
     eos), so a response is scored the same however it is padded."""
     mask = response_mask(response, eos_token_id)  # (B, Tr) up to and including the stop token
     attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    scores = model(torch.cat([query, response], 1), attention_mask, keep_from=query.size(1))  # (B, Tr)
+    # a prompt several rows share (a preference pair's, a GRPO group's) runs once: gpt2.GPT.forward's shared_prefix
+    query_response, Tq = torch.cat([query, response], 1), query.size(1)
+    scores = model(query_response, attention_mask, keep_from=Tq, shared_prefix=Tq)  # (B, Tr)
     return scores.gather(1, mask.sum(1, keepdim=True) - 1).squeeze(1)
 
 

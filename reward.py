@@ -136,8 +136,9 @@ class ScalarModel(gpt2.GPT):
         nn.init.zeros_(self.score.bias)
         self.reward_gain, self.reward_bias = gain, bias
 
-    def forward(self, query_response, attention_mask, keep_from: int = 0):
-        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True, keep_from=keep_from)
+    def forward(self, query_response, attention_mask, keep_from: int = 0, shared_prefix: int = 0):
+        hidden = super().forward(query_response, attention_mask=attention_mask, return_hidden=True, keep_from=keep_from,
+                                 shared_prefix=shared_prefix)  # fmt: skip
         return self.score(hidden).squeeze(-1).float() * self.reward_gain + self.reward_bias  # (B, T - keep_from)
 
 
@@ -157,7 +158,9 @@ def get_reward(model, query, response, pad_token_id: int, eos_token_id: int):
     eos), so a response is scored the same however it is padded."""
     mask = response_mask(response, eos_token_id)  # (B, Tr) up to and including the stop token
     attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    scores = model(torch.cat([query, response], 1), attention_mask, keep_from=query.size(1))  # (B, Tr)
+    # a prompt several rows share (a preference pair's, a GRPO group's) runs once: gpt2.GPT.forward's shared_prefix
+    query_response, Tq = torch.cat([query, response], 1), query.size(1)
+    scores = model(query_response, attention_mask, keep_from=Tq, shared_prefix=Tq)  # (B, Tr)
     return scores.gather(1, mask.sum(1, keepdim=True) - 1).squeeze(1)
 
 

@@ -118,9 +118,11 @@ def sft_loss_sums(model, query, response, pad_token_id, eos_token_id, ctx):
     mask = response_mask(response, eos_token_id)  # (B, Tr)
     attention_mask = torch.cat([query != pad_token_id, mask], 1)
     with ctx:
-        # logits from the last prompt position on: position t predicts token t + 1
-        logits = model(torch.cat([query, response], 1), attention_mask=attention_mask, keep_from=query.size(1) - 1)
-    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), response.flatten().long(), reduction="none")
+        # logits from the last prompt position on: position t predicts token t + 1, so the last token is only
+        # predicted, never read, and is left out of the input (one position less of compute)
+        logits = model(torch.cat([query, response[:, :-1]], 1), attention_mask=attention_mask[:, :-1],
+                       keep_from=query.size(1) - 1)  # (B, Tr, V) fmt: skip
+    nll = F.cross_entropy(logits.float().flatten(0, 1), response.flatten().long(), reduction="none")
     return (nll.view_as(mask) * mask).sum(), mask.sum()
 
 

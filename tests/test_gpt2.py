@@ -203,3 +203,40 @@ def test_onednn_gemms_equal_torch_gemms(monkeypatch, n_logits):
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=n)
     assert torch.equal(r0, r1)
+
+
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_shared_prefix_equals_running_every_row(monkeypatch, with_grad):
+    """forward(shared_prefix=n) runs each distinct prefix once (checked by counting the tokens block 0 sees) and gives
+    the logits and gradients of running every row in full; generate prefills a repeated prompt once, same tokens."""
+    _, prompts = batch()  # 4 left-padded prompts, repeated 3 times (GRPO's groups), and one more prompt of its own
+    extra = torch.full((1, prompts.size(1)), PAD)
+    extra[0, -4:] = torch.arange(4)
+    query = torch.cat([prompts.repeat_interleave(3, 0), extra])
+    g = torch.Generator().manual_seed(2)
+    response = torch.randint(0, PAD, (len(query), 5), generator=g)
+    ids, mask = torch.cat([query, response], 1), torch.cat([query != PAD, torch.ones_like(response, dtype=torch.bool)], 1)
+    n, out = query.size(1) - 1, []
+    for shared in (0, n):
+        model, tokens = tiny_model().train(), []
+        seen = lambda m, a, o: tokens.extend(x.shape[0] * x.shape[1] for x in (a[0], *(a[4][:1] if len(a) > 4 else ())))  # noqa: E731
+        model.transformer.h[0].register_forward_hook(seen)
+        with torch.set_grad_enabled(with_grad):
+            logits = model(ids, attention_mask=mask.long(), keep_from=n, shared_prefix=shared)
+            if with_grad:
+                (logits.log_softmax(-1)[..., 0].sum() + logits.square().mean()).backward()
+        grads = {k: p.grad.to_dense() for k, p in model.named_parameters()} if with_grad else {}
+        out.append((logits.detach(), grads, sum(tokens)))
+    (l0, g0, t0), (l1, g1, t1) = out
+    assert t0 == len(query) * ids.size(1) and t1 == 5 * n + len(query) * (ids.size(1) - n)  # 5 distinct prefixes
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4, msg=k)
+    with pytest.raises(ValueError, match="shared_prefix"):
+        model(ids, attention_mask=mask.long(), keep_from=n - 1, shared_prefix=n)
+    model, noise = tiny_model(), torch.rand(len(query), 6, generator=g)
+    shared = gpt2.generate(model, query, PAD, 6, noise=noise, return_logprobs=True)
+    monkeypatch.setattr(gpt2, "SHARE_PREFIX", False)
+    unshared = gpt2.generate(model, query, PAD, 6, noise=noise, return_logprobs=True)
+    assert torch.equal(shared[0], unshared[0])
+    torch.testing.assert_close(shared[1], unshared[1], atol=1e-5, rtol=0)
