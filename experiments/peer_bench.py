@@ -28,6 +28,7 @@ so both sides use the same torch:
     /work/peer-venv/bin/python experiments/peer_bench.py --sections grpo --presets gpt2 --turns 5
     /work/peer-venv/bin/python experiments/peer_bench.py --turns 1 --steps 3 --warmup 1   # a smoke run, ~3 min
     /work/peer-venv/bin/python experiments/peer_bench.py --compare_gemm --turns 5   # + ours on torch's default GEMMs
+    /work/peer-venv/bin/python experiments/peer_bench.py --compare_shared_prefix   # + ours with every prompt run in full
 """
 
 import json
@@ -88,6 +89,9 @@ class Args:
     compare_gemm: bool = False
     """also run each of our scripts with GPT2_CPU_GEMM=mkl (torch's default GEMMs) in the same turns: the ratio with
     and without gpt2.py's oneDNN GEMMs, and the lever's own (matters on AMD CPUs, where gpt2.py picks oneDNN)"""
+    compare_shared_prefix: bool = False
+    """also run each of our scripts with GPT2_SHARED_PREFIX=0 (every row's prompt run in full) in the same turns: the
+    ratio with and without gpt2.py's shared prompts, and the lever's own"""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -389,17 +393,20 @@ PROMPT_TOKENS = 6  # the arithmetic task's prompts (" 7+48="), the prefill of a 
 
 
 def step_passes(section: str, p: dict, tokens_per_row: float, side: str, beta: float = 0.0, ref: bool = False) -> list:
-    """The model passes one optimizer step cannot avoid, as [(kind, rows x tokens)], kind "fwd" or "fwdbwd": the
-    training forward + backward, a reference forward where the side runs one (TRL's DPO default; GRPO at beta > 0),
-    and GRPO's generation (a prefill of the prompts, then one forward of one token per row per sampled token)."""
+    """The model passes one optimizer step cannot avoid, as [(kind, tokens)], kind "fwd" or "fwdbwd": the training
+    forward + backward over every row's tokens but its last (predicted, never read), a prompt that several rows share
+    (a DPO pair's, a GRPO group's) counted once; a reference forward where the side runs one (TRL's DPO default; GRPO
+    at beta > 0); GRPO's generation (a prefill of the distinct prompts, then one token per row per sampled token)."""
     if section == "sft":
-        return [("fwdbwd", p["sft_batch"] * tokens_per_row)]
-    if section == "dpo":  # chosen and rejected rows in one pass
-        rows = 2 * p["dpo_batch"] * tokens_per_row
-        return [("fwdbwd", rows)] + [("fwd", rows)] * (side == "trl" and ref)
-    n, R = p["grpo_prompts"] * p["grpo_samples"], p["response_length"]
-    rollout = [("fwd", n * PROMPT_TOKENS)] + [("fwd", n)] * (R - 1)
-    return rollout + [("fwdbwd", n * (PROMPT_TOKENS + R))] + [("fwd", n * (PROMPT_TOKENS + R))] * (beta > 0)
+        return [("fwdbwd", p["sft_batch"] * (tokens_per_row - 1))]
+    if section == "dpo":  # chosen and rejected rows in one pass, their prompt once
+        B = p["dpo_batch"]
+        tokens = B * (PROMPT_TOKENS - 1) + 2 * B * (tokens_per_row - PROMPT_TOKENS)
+        return [("fwdbwd", tokens)] + [("fwd", tokens)] * (side == "trl" and ref)
+    P, n, R = p["grpo_prompts"], p["grpo_prompts"] * p["grpo_samples"], p["response_length"]
+    rollout = [("fwd", P * (PROMPT_TOKENS - 1) + n)] + [("fwd", n)] * (R - 1)
+    train = P * (PROMPT_TOKENS - 1) + n * R
+    return rollout + [("fwdbwd", train)] + [("fwd", train)] * (beta > 0)
 
 
 def matmul_floor(preset: str, vocab_size: int, passes: list, repeats: int = 7, cache: dict = {}) -> float:  # noqa: B006
@@ -454,15 +461,19 @@ def run_section(section: str, preset: str, model_dir: str, args: Args, tmp: str,
     data_dir = os.path.join(tmp, f"data-{preset}-{section}")
     tokens_per_row = build_data(data_dir, {split: steps * rows_per_step})
     notes, comps = comparisons(section, p, steps, model_dir, data_dir, tokens_per_row, args.dtype)
-    if args.compare_gemm:  # each of our runs again on torch's default GEMMs, in the same turns
-        extra, pairs = [], set()
-        for label, unit, units, ours, trl_, _ in comps:
-            mkl = dict(ours, tag=ours["tag"] + "-mkl", env={"GPT2_CPU_GEMM": "mkl"})
-            extra.append((f"{label} [ours on MKL]", unit, units, mkl, trl_, "ours with GPT2_CPU_GEMM=mkl"))
+    # --compare_*: each of our runs again with one lever turned off by its environment variable, in the same turns
+    levers = [("GPT2_CPU_GEMM", "mkl", "ours on MKL", "oneDNN / MKL", "the GEMM lever")] * args.compare_gemm
+    levers += [("GPT2_SHARED_PREFIX", "0", "ours, prompts unshared", "shared / unshared prompts",
+                "the shared-prompt lever")] * args.compare_shared_prefix  # fmt: skip
+    base = list(comps)
+    for var, value, before, ratio, lever in levers:
+        pairs = set()
+        for label, unit, units, ours, trl_, _ in base:
+            off = dict(ours, tag=f"{ours['tag']}-{var.lower()}-{value}", env={var: value})
+            comps.append((f"{label} [{before}]", unit, units, off, trl_, f"ours with {var}={value}"))
             if ours["tag"] not in pairs:
                 pairs.add(ours["tag"])
-                extra.append((f"{ours['script']} oneDNN / MKL", unit, units, ours, mkl, "the GEMM lever alone"))
-        comps = comps + extra
+                comps.append((f"{ours['script']} {ratio}", unit, units, ours, off, f"{lever} alone"))
     runs = {}  # the distinct runs of the section (dpo.py's serves both TRL modes), in a fixed order
     for spec in [spec for c in comps for spec in c[3:5]]:
         if spec["tag"] not in runs:
@@ -567,8 +578,9 @@ def main(args: Args) -> None:
                   f"({r['rss_ours'] / r['rss_trl']:.2f}×) |")  # fmt: skip
     if args.dtype == "float32":  # the floor times fp32 GEMMs
         print("\nThe limit: the GEMMs a step cannot avoid (its training forward + backward, and the reference forward "
-              "and the rollout's forwards where the side runs them), one weight per layer as in the model, timed on "
-              "this machine with the faster of MKL and oneDNN, against each side's measured time per step\n")  # fmt: skip
+              "and the rollout's forwards where the side runs them; a prompt shared by several rows once, each row's "
+              "last token left out), one weight per layer as in the model, timed on this machine with the faster of "
+              "MKL and oneDNN, against each side's measured time per step\n")  # fmt: skip
         print("| shape | comparison | matmul floor per step, ours / TRL | share of the step, ours / TRL |")
         print("|---|---|---|---|")
         for r in summary:
