@@ -167,14 +167,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, attn_mask, kv_cache=None, pos=0):
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        return self.resid_dropout(self.c_proj(self.attend(self.c_attn(x), attn_mask, kv_cache, pos)))
+
+    def attend(self, qkv, attn_mask, kv_cache=None, pos=0):
+        """Queries, keys and values (B, T, 3C) → the heads' outputs (B, T, C), before the output projection."""
+        B, T, C = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in qkv.split(C, dim=2))
         if kv_cache is not None:  # write this step's keys/values into the preallocated cache, attend to all so far
             k, v = kv_cache.update(k, v, pos)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, dropout_p=self.dropout if self.training else 0.0
         )  # (B, H, T, hd)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+        return y.transpose(1, 2).reshape(B, T, C)
 
 
 class MLP(nn.Module):
@@ -198,18 +202,25 @@ class Block(nn.Module):
 
     def forward(self, x, attn_mask, kv_cache=None, pos=0, prefix=None):
         """x (B, T, C) at cache slots pos..; with prefix = (xp (B', pos, C), its attention mask, rows (B,)), x's rows
-        continue B' distinct prefixes (row b prefix rows[b]): they run first and fill slots 0..pos of every row's
+        continue B' distinct prefixes (row b prefix rows[b]), whose keys and values fill slots 0..pos of every row's
         cache. Returns x, or (x, xp) with a prefix (GPT.forward's shared_prefix)."""
         if prefix is None:
-            return self.residual(x, attn_mask, kv_cache, pos)
+            x = x + self.attn(self.ln_1(x), attn_mask, kv_cache, pos)
+            return x + self.mlp(self.ln_2(x))
         xp, prefix_mask, rows = prefix
-        xp = self.residual(xp, prefix_mask, kv_cache, 0)
-        kv_cache.share(rows, pos)
-        return self.residual(x, attn_mask, kv_cache, pos), xp
-
-    def residual(self, x, attn_mask, kv_cache, pos):
-        x = x + self.attn(self.ln_1(x), attn_mask, kv_cache, pos)
-        return x + self.mlp(self.ln_2(x))
+        (Bp, n, C), (B, T) = xp.shape, x.shape[:2]
+        unpack = lambda t: (t[: Bp * n].view(Bp, n, -1), t[Bp * n :].view(B, T, -1))  # noqa: E731
+        # the token-wise layers take the prefix and the suffix tokens together, (B' n + B T, C): one GEMM per layer,
+        # which at a few rows costs about what reading its weights does; only attention sees the two apart
+        h = torch.cat([xp.reshape(-1, C), x.reshape(-1, C)])
+        qkv_p, qkv = unpack(self.attn.c_attn(self.ln_1(h)))
+        y_p = self.attn.attend(qkv_p, prefix_mask, kv_cache, 0)  # fills slots 0..n for the B' prefixes
+        kv_cache.share(rows, n)  # ... and copies them to the B rows
+        y = self.attn.attend(qkv, attn_mask, kv_cache, n)
+        h = h + self.attn.resid_dropout(self.attn.c_proj(torch.cat([y_p.reshape(-1, C), y.reshape(-1, C)])))
+        h = h + self.mlp(self.ln_2(h))
+        xp, x = unpack(h)
+        return x, xp
 
 
 class GPT(nn.Module):
