@@ -13,6 +13,9 @@
 4b. gemm (CPU): the model's fp32 GEMMs through MKL (torch's default) and oneDNN (gpt2.matmul's choice on AMD CPUs),
    at a decode step's rows and at a training batch's rows: the forward, the input's and the weight's gradients, and
    all of a decode step's GEMMs in model order against the time to read every weight once.
+4c. prompts: the two levers on the rows a step trains on, one forward + backward of the scripts' batch shapes (GRPO's
+   groups, DPO's pairs; the task's 6-token prompts): a shared prompt run once (`shared_prefix`) against every row's
+   prompt in full, and each row's last token left out of the input against kept.
 5. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s (CUDA only).
 
 Timings are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine hits both alike; each
@@ -25,6 +28,7 @@ a benchmark-only dependency: pip install -r requirements-test.txt.
     python experiments/bench.py --sections memory --memory_preset gpt2-medium
     python experiments/bench.py --sections optimizer --presets tiny --repeats 3     # a smoke run (seconds)
     python experiments/bench.py --sections gemm --presets tiny,gpt2                  # MKL vs oneDNN on this CPU
+    python experiments/bench.py --sections prompts --presets tiny,gpt2 --repeats 15  # shared prompts, last token
 """
 
 import json
@@ -48,14 +52,15 @@ sys.path.insert(0, ROOT)  # gpt2.py lives at the repository root
 
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "generate", "memory", "optimizer", "gemm", "cuda")
+SECTIONS = ("forward", "generate", "memory", "optimizer", "gemm", "prompts", "cuda")
 TINY_VOCAB = 257  # the offline arithmetic task's byte tokenizer; the other presets keep GPT-2's 50257
 
 
 @dataclass
 class Args:
     sections: str = "forward,generate,memory,optimizer,gemm,cuda"
-    """comma-separated sections: forward, generate, memory, optimizer, gemm (CPU only), cuda (skipped without a GPU)"""
+    """comma-separated sections: forward, generate, memory, optimizer, gemm (CPU only), prompts, cuda (skipped without
+    a GPU)"""
     presets: str = "tiny,gpt2"
     """comma-separated gpt2.py presets for the forward, generate and optimizer sections"""
     dtypes: str = "auto"
@@ -358,6 +363,37 @@ class ScoredGPT(gpt2.GPT):
         return self.score(super().forward(idx, return_hidden=True)).squeeze(-1)
 
 
+def bench_prompts(args: Args, device, sync) -> list[dict]:
+    """Forward + backward of a step's rows (GRPO: prompts x samples, DPO: pairs x 2; 6-token prompts) with the prompt
+    shared or not, and with each row's last token left out of the input (as the scripts do) or kept."""
+    rows = []
+    shapes = {"tiny": dict(dpo=(64, 2, 4), grpo=(16, 8, 16)), "gpt2": dict(dpo=(4, 2, 4), grpo=(2, 4, 16))}
+    for preset in args.presets.split(","):
+        torch.manual_seed(args.seed)
+        # the task's 257-token vocabulary at every preset, as peer_bench.py's GPT-2 124M shape
+        model = gpt2.GPT(gpt2.make_config(preset, vocab_size=TINY_VOCAB)).to(device).train()
+        for algo, (P, G, Tr) in shapes.get(preset, shapes["gpt2"]).items():
+            Tq = 6
+            q = torch.randint(0, 256, (P, Tq), device=device).repeat_interleave(G, 0)
+            ids = torch.cat([q, torch.randint(0, 256, (P * G, Tr), device=device)], 1)
+
+            def step(n, drop_last):
+                x = ids[:, :-1] if drop_last else ids
+                logits = model(x, attention_mask=torch.ones_like(x), keep_from=Tq - 1, shared_prefix=n)
+                logits.float().log_softmax(-1).mean().backward()
+                model.zero_grad(set_to_none=True)
+
+            fns = dict(shared=lambda: step(Tq - 1, True), unshared=lambda: step(0, True),
+                       last_kept=lambda: step(Tq - 1, False))  # fmt: skip
+            sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
+            row = {"preset": preset, "rows": f"{algo}: {P} x {G} rows, {Tq} + {Tr} tokens"}
+            row |= {f"{k} ms": 1e3 * v for k, v in sec.items()}
+            row |= speedup(times, "shared", "unshared", "shared/unshared")
+            row |= speedup(times, "shared", "last_kept", "last token out/kept")
+            rows += show([row])
+    return rows
+
+
 def memory_worker(args: Args):
     """One rank: the four models built and sharded as the scripts do (full init on every rank, then FSDP2), a no-grad
     forward of reference and reward, one Adam step of policy and value; then this rank's bytes."""
@@ -462,6 +498,8 @@ def main(args: Args):
         "CPUs): forward x @ W, the input's gradient g @ W.T and the weight's x.T @ g",
         gemm_decode="a decode step's GEMMs (every block's four, each layer's own weight, in model order) through MKL and "
         "oneDNN, against reading every one of those weights once (w.sum())",
+        prompts="one forward + backward of a step's rows (logits from the last prompt position on, as the scripts): "
+        "the prompt shared by its rows (shared_prefix) or run in full per row, the last token left out or kept",
         cuda="GPT-2 124M, sft.py-like bf16 training step; MFU = (6 N + 12 L C T) tokens / s / peak",
     )
     for section in sections:
@@ -476,6 +514,8 @@ def main(args: Args):
             results[section] = bench_optimizer(args, device, sync)
         elif section == "gemm":
             results[section], results["gemm_decode"] = bench_gemm(args, device, sync) if torch.backends.mkldnn.is_available() else ([], [])
+        elif section == "prompts":
+            results[section] = bench_prompts(args, device, sync)
         elif device.type == "cuda":
             results[section] = bench_cuda(args, device, sync)
         else:
