@@ -103,9 +103,10 @@ def _cpu_gemm_library() -> str:
 ONEDNN = _cpu_gemm_library() == "onednn"
 # GPT2_SHARED_PREFIX=0 turns off `forward(shared_prefix=)`'s sharing, for A/B comparisons (docs/benchmarks.md)
 SHARE_PREFIX = os.environ.get("GPT2_SHARED_PREFIX", "1") != "0"
-# below this many weights (the tiny preset's 128-wide layers) oneDNN's fixed cost per call outweighs its gain: a
-# 64 x 128 x 128 GEMM takes 49 us there against MKL's 20; from GPT-2 124M's 768 x 768 on it is the faster one
-ONEDNN_MIN_WEIGHTS = 1 << 18
+# oneDNN's fixed cost per call outweighs its gain on GEMMs with few weights AND few rows: a 64 x 128 x 128 GEMM (the
+# tiny preset's decode step) takes 49 us there against MKL's 20. From GPT-2 124M's 768 x 768 weights on, or from ~512
+# rows on (the tiny preset's training GEMMs: 2016 x 128 x 384 forward 1.17x, grad-input 1.23x faster), it is faster
+ONEDNN_MIN_WEIGHTS, ONEDNN_MIN_ROWS = 1 << 18, 512
 
 
 def _onednn(x, w_out_in, b=None):  # x (M, in) @ w_out_in.T + b; w_out_in (out, in) may be a transposed view
@@ -134,7 +135,8 @@ def matmul(x, w, b=None, out_in=False):
     """x (M, in) @ w (in, out) + b, or x @ w.T for a weight stored (out, in): in fp32 on CPU through oneDNN where
     ONEDNN, else torch's own GEMM (MKL on CPU, cuBLAS on CUDA, bf16 under autocast; torch.compile picks its own)."""
     cpu_fp32 = x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-    if ONEDNN and cpu_fp32 and w.numel() >= ONEDNN_MIN_WEIGHTS and not torch.compiler.is_compiling():
+    big = w.numel() >= ONEDNN_MIN_WEIGHTS or x.size(0) >= ONEDNN_MIN_ROWS
+    if ONEDNN and cpu_fp32 and big and not torch.compiler.is_compiling():
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return OneDNNMatmul.apply(x, w, b, out_in)
         return _onednn(x, w if out_in else w.t(), b)

@@ -365,8 +365,9 @@ class ScoredGPT(gpt2.GPT):
 
 def bench_prompts(args: Args, device, sync) -> list[dict]:
     """Forward + backward of a step's rows (GRPO: prompts x samples, DPO: pairs x 2; 6-token prompts) with the prompt
-    shared or not, and with each row's last token left out of the input (as the scripts do) or kept."""
-    rows = []
+    shared or not, with each row's last token left out of the input (as the scripts do) or kept, and (where gpt2.py
+    uses oneDNN) with its small-weight GEMMs on oneDNN from ONEDNN_MIN_ROWS rows on (as it does) or always on MKL."""
+    rows, min_rows_default = [], gpt2.ONEDNN_MIN_ROWS
     shapes = {"tiny": dict(dpo=(64, 2, 4), grpo=(16, 8, 16)), "gpt2": dict(dpo=(4, 2, 4), grpo=(2, 4, 16))}
     for preset in args.presets.split(","):
         torch.manual_seed(args.seed)
@@ -377,20 +378,24 @@ def bench_prompts(args: Args, device, sync) -> list[dict]:
             q = torch.randint(0, 256, (P, Tq), device=device).repeat_interleave(G, 0)
             ids = torch.cat([q, torch.randint(0, 256, (P * G, Tr), device=device)], 1)
 
-            def step(n, drop_last):
-                x = ids[:, :-1] if drop_last else ids
+            def step(n, drop_last, min_rows=min_rows_default):
+                gpt2.ONEDNN_MIN_ROWS, x = min_rows, ids[:, :-1] if drop_last else ids
                 logits = model(x, attention_mask=torch.ones_like(x), keep_from=Tq - 1, shared_prefix=n)
                 logits.float().log_softmax(-1).mean().backward()
                 model.zero_grad(set_to_none=True)
 
             fns = dict(shared=lambda: step(Tq - 1, True), unshared=lambda: step(0, True),
                        last_kept=lambda: step(Tq - 1, False))  # fmt: skip
+            if gpt2.ONEDNN:
+                fns["small_mkl"] = lambda: step(Tq - 1, True, min_rows=1 << 62)
             sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
             row = {"preset": preset, "rows": f"{algo}: {P} x {G} rows, {Tq} + {Tr} tokens"}
             row |= {f"{k} ms": 1e3 * v for k, v in sec.items()}
             row |= speedup(times, "shared", "unshared", "shared/unshared")
             row |= speedup(times, "shared", "last_kept", "last token out/kept")
+            row |= speedup(times, "shared", "small_mkl", "small GEMMs onednn/mkl") if gpt2.ONEDNN else {}
             rows += show([row])
+    gpt2.ONEDNN_MIN_ROWS = min_rows_default
     return rows
 
 
