@@ -1,16 +1,17 @@
-"""The whole RLHF pipeline on the offline default, in one command: SFT → reward model → DPO → PPO → GRPO.
+"""The whole RLHF pipeline on the offline default in one command: SFT → reward → DPO → PPO → GRPO.
 
-Each stage is its own script run as a subprocess (the scripts are the product; this file only chains them). Stage S
-of seed N writes `runs/S/pipeline-<time>-sN/`, and `runs/S/latest` then links to it, so after `python pipeline.py`
-every script's defaults find the pipeline's models: `torchrun --nproc_per_node=2 grpo.py --beta 0.03` starts from its
-SFT model. Nothing is overwritten: each call makes new run dirs. At the end one results table (eval accuracy,
-preference accuracy, reward, KL to the reference, wall time per stage) is printed and written, with learning curves
-when matplotlib is installed, to `runs/pipeline/<time>/`.
+Each stage is its own script run as a subprocess (the scripts are the product; this file only
+chains them). Stage S of seed N writes `runs/S/pipeline-<time>-sN/`, and `runs/S/latest` then links
+to it, so after `python pipeline.py` every script's defaults find the pipeline's models:
+`torchrun --nproc_per_node=2 grpo.py --beta 0.03` starts from its SFT model. Nothing is
+overwritten: each call makes new run dirs. At the end one results table (eval accuracy, preference
+accuracy, reward, KL to the reference, wall time per stage) is printed and written, with learning
+curves when matplotlib is installed, to `runs/pipeline/<time>/`.
 
-    python pipeline.py                              # seed 1, one process per stage
-    python pipeline.py --seeds 1 2 3                # three seeds: the table shows median [min, max]
-    python pipeline.py --nproc 2                    # every stage under torchrun --nproc_per_node=2 (FSDP2)
-    python pipeline.py --stages ppo grpo            # a subset: earlier stages are read from runs/<stage>/latest
+    python pipeline.py                    # seed 1, one process per stage
+    python pipeline.py --seeds 1 2 3      # three seeds: the table shows median [min, max]
+    python pipeline.py --nproc 2          # every stage under torchrun --nproc_per_node=2 (FSDP2)
+    python pipeline.py --stages ppo grpo  # a subset: earlier stages come from runs/<stage>/latest
 """
 
 import json
@@ -42,35 +43,45 @@ class Args:
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     """stages to run, in order; a stage that is not run is read from runs/<stage>/latest"""
     temperature: float = 0.7
-    """sampling temperature of PPO, and so of the reward model's normalisation (lm-human-preferences normalises the
-    reward at the policy's own sampling temperature)"""
+    """sampling temperature of PPO, and so of the reward model's normalisation
+    (lm-human-preferences normalises the reward at the policy's own sampling temperature)"""
     smoke: bool = False
     """a few steps per stage (seconds): checks the wiring, not the results"""
 
 
-SMOKE = {  # per-stage flags of --smoke
-    "sft": "--total_steps 4 --eval_every 4 --eval_size 16 --batch_size 16 --micro_batch_size 8 --warmup_steps 1",
-    "reward": "--total_steps 2 --eval_every 2 --eval_size 16 --batch_size 8 --micro_batch_size 8 --norm_samples 16",
-    "dpo": "--total_steps 2 --eval_every 2 --eval_size 16 --batch_size 8 --micro_batch_size 8 --max_train_pairs 16",
-    "ppo": "--total_episodes 16 --batch_size 8 --micro_batch_size 8 --num_minibatches 1 --eval_every 1 --eval_size 16",
-    "grpo": "--total_episodes 32 --num_prompts_per_step 4 --num_samples_per_prompt 4 --num_minibatches 1 --eval_every 2 "
-    "--eval_size 16",
+# per-stage flags of --smoke: each stage's schedule, then its batch and eval sizes
+SMOKE = {
+    "sft": "--total_steps 4 --eval_every 4 "
+    "--eval_size 16 --batch_size 16 --micro_batch_size 8 --warmup_steps 1",
+    "reward": "--total_steps 2 --eval_every 2 "
+    "--eval_size 16 --batch_size 8 --micro_batch_size 8 --norm_samples 16",
+    "dpo": "--total_steps 2 --eval_every 2 "
+    "--eval_size 16 --batch_size 8 --micro_batch_size 8 --max_train_pairs 16",
+    "ppo": "--total_episodes 16 --batch_size 8 --micro_batch_size 8 --num_minibatches 1 "
+    "--eval_every 1 --eval_size 16",
+    "grpo": "--total_episodes 32 --num_prompts_per_step 4 --num_samples_per_prompt 4 "
+    "--num_minibatches 1 --eval_every 2 --eval_size 16",
 }
 
 
-def stage_commands(args: Args, seed: int, run_dir) -> dict[str, list[str]]:
-    """The command of each stage; run_dir(stage) is where that stage's model is (this call's or runs/<stage>/latest)."""
+def model_dir(stage: str, name: str, ran: set[str]) -> str:
+    """Where a stage's model is: this call's run `name` if it ran, else runs/<stage>/latest."""
+    return os.path.join("runs", stage, name if stage in ran else "latest")
+
+
+def stage_commands(args: Args, seed: int, sft: str, reward: str) -> dict[str, list[str]]:
+    """The command of each stage; sft and reward are the directories of those stages' models."""
     common = ["--data", args.data, "--seed", str(seed)]
     t = str(args.temperature)
     return {
         "sft": ["sft.py", *common],
-        "reward": ["reward.py", "--model", run_dir("sft"), "--norm_temperature", t, *common],
-        # RPO (DPO + the chosen answer's NLL, Pang et al. 2024): plain DPO lowers the chosen answers' likelihood along
-        # with the rejected ones' (docs/results.md)
-        "dpo": ["dpo.py", "--model", run_dir("sft"), "--rpo_alpha", "1.0", *common],
-        "ppo": ["ppo.py", "--model", run_dir("sft"), "--reward_model", run_dir("reward"), "--temperature", t, *common],
-        # --ref_model at β 0: no KL in the loss, but grpo.py then logs objective/kl, the KL curve of curves.png
-        "grpo": ["grpo.py", "--model", run_dir("sft"), "--ref_model", run_dir("sft"), *common],
+        "reward": ["reward.py", "--model", sft, "--norm_temperature", t, *common],
+        # RPO (DPO + the chosen answer's NLL, Pang et al. 2024), because plain DPO lowers the chosen
+        # answers' likelihood along with the rejected ones' (docs/results.md)
+        "dpo": ["dpo.py", "--model", sft, "--rpo_alpha", "1.0", *common],
+        "ppo": ["ppo.py", "--model", sft, "--reward_model", reward, "--temperature", t, *common],
+        # --ref_model at β 0 adds no KL to the loss but makes grpo.py log objective/kl (curves.png)
+        "grpo": ["grpo.py", "--model", sft, "--ref_model", sft, *common],
     }
 
 
@@ -78,34 +89,42 @@ def read_metrics(path: str) -> list[dict]:
     return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
 
 
-COLUMNS = [  # (header, metric): each stage's first (its starting policy, step 0) and last logged value
-    ("eval accuracy", "eval/accuracy"),  # greedy answers to held-out prompts, checked by the task's verifier
-    ("preference accuracy", "eval/preference_accuracy"),  # held-out chosen/rejected pairs ranked right
-    ("reward-model score", "eval/score"),  # normalised RM score of greedy answers (ppo.py, the stage with an RM)
-    ("KL to reference", "eval/kl"),  # KL(pi || pi_ref) of the final policy on held-out prompts, nats per response
+# (header, metric): each stage's first (its starting policy, step 0) and last logged value
+COLUMNS = [
+    # greedy answers to held-out prompts, checked by the task's verifier
+    ("eval accuracy", "eval/accuracy"),
+    # held-out chosen/rejected pairs ranked right
+    ("preference accuracy", "eval/preference_accuracy"),
+    # normalised RM score of greedy answers (ppo.py, the stage with an RM)
+    ("reward-model score", "eval/score"),
+    # KL(pi || pi_ref) of the final policy on held-out prompts, nats per response
+    ("KL to reference", "eval/kl"),
 ]
 
 
 @torch.no_grad()
-def kl_to_reference(policy_dir: str, ref_dir: str, data_name: str, n: int = 500, length: int = 16, seed: int = 0) -> float:
-    """KL(π‖π_ref) of a final policy, measured the same way for every stage: sample one response per held-out prompt at
-    temperature 1 and average Σ_t log π − log π_ref over the response tokens (to and including the stop token); an
-    unbiased estimate of the sequence-level KL in nats per response."""
+def kl_to_reference(
+    policy_dir: str, ref_dir: str, data_name: str, n: int = 500, length: int = 16, seed: int = 0
+) -> float:
+    """KL(π‖π_ref) of a final policy, measured the same way for every stage: sample one response per
+    held-out prompt at temperature 1 and average Σ_t log π − log π_ref over the response tokens (to
+    and including the stop token); an unbiased estimate of the sequence-level KL in nats per
+    response."""
     meta, prompts = data.load_meta(data_name), data.load_split(data_name, "prompt_test")
     pad, eos = meta["pad_token_id"], meta["eos_token_id"]
-    policy, ref = (gpt2.load_model(d, vocab_size=meta["vocab_size"]).eval() for d in (policy_dir, ref_dir))
+    policy, ref = (gpt2.load(d, meta).eval() for d in (policy_dir, ref_dir))
     query = torch.from_numpy(prompts["query"][:n]).long()
-    g = torch.Generator().manual_seed(seed)
+    noise = torch.rand(len(query), length, generator=torch.Generator().manual_seed(seed))
     total = 0.0
     for i in range(0, len(query), 100):
-        q = query[i : i + 100]
-        response, logprobs = gpt2.generate(policy, q, pad, length, eos, 1.0, generator=g, return_logprobs=True)
-        stop = (response == eos).int().argmax(1).where((response == eos).any(1), torch.tensor(length))
-        mask = torch.arange(length)[None] <= stop[:, None]  # (B, T) to and including the stop token
+        batch = slice(i, i + 100)
+        rollout = gpt2.generate(policy, query[batch], pad, length, eos, 1.0, noise[batch])
+        q, response, mask = rollout.query, rollout.response, rollout.mask  # mask: to the stop token
         attn = torch.cat([q != pad, mask], 1)
-        ref_logits = ref(torch.cat([q, response], 1), attention_mask=attn, keep_from=q.size(1) - 1)[:, :-1]
-        ref_logprobs = ref_logits.float().log_softmax(-1).gather(-1, response.long()[..., None]).squeeze(-1)
-        total += ((logprobs - ref_logprobs) * mask).sum().item()
+        ref_logits = ref(torch.cat([q, response], 1), attn, keep_from=q.size(1) - 1)[:, :-1]
+        ref_logp = ref_logits.float().log_softmax(-1)
+        ref_logprobs = ref_logp.gather(-1, response.long()[..., None]).squeeze(-1)
+        total += ((rollout.logprobs - ref_logprobs) * mask).sum().item()
     return total / len(query)
 
 
@@ -123,7 +142,8 @@ def fmt(values: list[float]) -> str:
 
 
 def results_table(runs: dict, times: dict) -> str:
-    """runs[seed][stage] = metrics rows; one line per stage, 'start → end' where the stage evaluated its start."""
+    """runs[seed][stage] = metrics rows; one line per stage, 'start → end' where the stage evaluated
+    its start."""
     header = "| stage | " + " | ".join(h for h, _ in COLUMNS) + " | wall time |"
     lines = [header, "|---" * (len(COLUMNS) + 2) + "|"]
     for stage in STAGES:
@@ -133,12 +153,18 @@ def results_table(runs: dict, times: dict) -> str:
         cells = []
         for _, metric in COLUMNS:
             pairs = [first_last(runs[s][stage], metric) for s in seeds]
-            if stage == "reward" and metric == "eval/preference_accuracy":  # the RM's own accuracy on held-out pairs
+            # the RM's own accuracy on held-out pairs is its preference accuracy
+            if stage == "reward" and metric == "eval/preference_accuracy":
                 pairs = [first_last(runs[s][stage], "eval/accuracy") for s in seeds]
-            starts, ends = [a for a, _ in pairs if a is not None], [b for _, b in pairs if b is not None]
+            starts = [a for a, _ in pairs if a is not None]
+            ends = [b for _, b in pairs if b is not None]
             if stage == "reward" and metric == "eval/accuracy":
                 ends = []
-            cells.append("–" if not ends else (fmt(starts) + " → " if len(starts) == len(ends) else "") + fmt(ends))
+            if not ends:
+                cells.append("–")
+                continue
+            start = fmt(starts) + " → " if len(starts) == len(ends) else ""
+            cells.append(start + fmt(ends))
         minutes = [times[s][stage] / 60 for s in seeds if stage in times[s]]
         lines.append(f"| {stage} | " + " | ".join(cells) + f" | {fmt(minutes)} min |")
     return "\n".join(lines)
@@ -154,17 +180,21 @@ def plot_curves(runs: dict, path: str) -> bool:
     except ImportError:
         return False
     stages = [s for s in ("dpo", "ppo", "grpo") if any(s in r for r in runs.values())]
+    panels = [("eval/accuracy", "eval accuracy"), ("objective/kl", "KL (train batch)")]
+    kl_units = {"ppo": ", nats/response (k1)", "grpo": ", nats/token (k3)"}
     fig, axes = plt.subplots(2, len(stages), figsize=(4 * len(stages), 6), squeeze=False)
     for col, stage in enumerate(stages):
-        for row, (metric, label) in enumerate((("eval/accuracy", "eval accuracy"), ("objective/kl", "KL (train batch)"))):
+        for row, (metric, label) in enumerate(panels):
             ax = axes[row][col]
             for seed, r in runs.items():
                 pts = [(m["step"], m[metric]) for m in r.get(stage, []) if metric in m]
                 if pts:
                     ax.plot(*zip(*pts), label=f"seed {seed}", marker="." if row == 0 else None)
-            if not ax.lines:  # DPO samples nothing while it trains: its KL is the table's, measured at the end
-                ax.text(0.5, 0.5, "not logged while training:\nsee the table's KL", ha="center", transform=ax.transAxes)
-            unit = {"ppo": ", nats/response (k1)", "grpo": ", nats/token (k3)"}.get(stage, "") if row else ""
+            # DPO samples nothing while it trains, so its KL is the table's, measured at the end
+            if not ax.lines:
+                note = "not logged while training:\nsee the table's KL"
+                ax.text(0.5, 0.5, note, ha="center", transform=ax.transAxes)
+            unit = kl_units.get(stage, "") if row else ""
             ax.set_title(f"{stage}: {label}{unit}", fontsize=10)
             ax.set_xlabel("step")
             if ax.lines:
@@ -177,43 +207,48 @@ def plot_curves(runs: dict, path: str) -> bool:
 def main(args: Args):
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
-        raise SystemExit(f"error: unknown stage(s) {unknown}: choose from {list(STAGES)}")
-    launcher = [sys.executable] if args.nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                          "--standalone", f"--nproc_per_node={args.nproc}"]  # fmt: skip
+        raise gpt2.RunError(f"unknown stage(s) {unknown}: choose from {list(STAGES)}")
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    launcher = [sys.executable] if args.nproc == 1 else [sys.executable, *torchrun]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs, times = {}, {}
     for seed in args.seeds:
         name = f"pipeline-{stamp}-s{seed}"
         ran = set()
-
-        def run_dir(stage):  # this call's run of the stage, else the last finished one
-            return os.path.join("runs", stage, name if stage in ran else "latest")
-
         runs[seed], times[seed] = {}, {}
         for stage in args.stages:
-            cmd = stage_commands(args, seed, run_dir)[stage]
-            cmd = launcher + [os.path.join(ROOT, cmd[0]), *cmd[1:], "--out_dir", os.path.join("runs", stage, name)]
+            out_dir = os.path.join("runs", stage, name)
+            sft, reward = model_dir("sft", name, ran), model_dir("reward", name, ran)
+            script, *flags = stage_commands(args, seed, sft, reward)[stage]
+            cmd = [*launcher, os.path.join(ROOT, script), *flags, "--out_dir", out_dir]
             cmd += SMOKE[stage].split() if args.smoke else []
-            print(f"\n==== seed {seed}, {stage}: {' '.join(cmd[len(launcher):])}", flush=True)
+            print(f"\n==== seed {seed}, {stage}: {' '.join(cmd[len(launcher) :])}", flush=True)
             t0 = time.time()
             if subprocess.run(cmd).returncode != 0:
-                rest = args.stages[args.stages.index(stage) :]
-                raise SystemExit(f"error: stage '{stage}' (seed {seed}) failed (see its output above); fix it and "
-                                 f"rerun with --stages {' '.join(rest)}")  # fmt: skip
+                rest = " ".join(args.stages[args.stages.index(stage) :])
+                raise gpt2.RunError(
+                    f"stage '{stage}' (seed {seed}) failed (see its output above); "
+                    f"fix it and rerun with --stages {rest}"
+                )
             times[seed][stage] = time.time() - t0
             ran.add(stage)
-            runs[seed][stage] = read_metrics(os.path.join("runs", stage, name, "metrics.jsonl"))
-            if stage in ("dpo", "ppo", "grpo"):  # every stage's final KL to the SFT model, measured alike
+            runs[seed][stage] = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+            # every policy's final KL to the SFT model, measured alike so the stages compare
+            if stage in ("dpo", "ppo", "grpo"):
                 n = 16 if args.smoke else 500
-                kl = kl_to_reference(os.path.join("runs", stage, name), run_dir("sft"), args.data, n=n)
+                kl = kl_to_reference(out_dir, sft, args.data, n=n)
                 runs[seed][stage].append({"step": runs[seed][stage][-1]["step"], "eval/kl": kl})
     out = os.path.join("runs", "pipeline", stamp)
     os.makedirs(out, exist_ok=True)
     table = results_table(runs, times)
     seeds = ", ".join(map(str, args.seeds))
-    text = (f"Pipeline results (seeds {seeds}; {os.cpu_count()} CPUs; `{' '.join(sys.argv)}`)\n\n{table}\n\n"
-            "a → b: the stage's starting policy (the SFT model) → its final policy, greedy decoding on the same held-out "
-            "prompts. KL to reference: the final policy's KL(π‖π_SFT) in nats per response on held-out prompts.\n")  # fmt: skip
+    command = " ".join(sys.argv)
+    text = (
+        f"Pipeline results (seeds {seeds}; {os.cpu_count()} CPUs; `{command}`)\n\n{table}\n\n"
+        "a → b: the stage's starting policy (the SFT model) → its final policy, greedy decoding on "
+        "the same held-out prompts. KL to reference: the final policy's KL(π‖π_SFT) in nats per "
+        "response on held-out prompts.\n"
+    )
     if len(args.seeds) > 1:
         text += "Several seeds: median [min, max] over the seeds.\n"
     with open(os.path.join(out, "results.md"), "w") as f:

@@ -1,25 +1,27 @@
 """Supervised fine-tuning (SFT) of GPT-2 on prompt → response pairs: the first stage of RLHF.
 
-Stiennon et al. 2020 ("Learning to summarize from human feedback") and Ouyang et al. 2022 (InstructGPT) start RLHF from
-a policy fine-tuned with next-token cross-entropy on demonstrations. The loss is on response tokens only (the prompt is
-context), up to and including the stop token so the model learns to stop. Loss and gradients are normalised by the
-number of response tokens in the whole global batch, so 1 rank and N ranks (and any micro-batch split) compute the same
-update. Eval: teacher-forced loss on held-out pairs and, for tasks with a verifier, accuracy of greedy generations.
+Stiennon et al. 2020 ("Learning to summarize from human feedback") and Ouyang et al. 2022
+(InstructGPT) start RLHF from a policy fine-tuned with next-token cross-entropy on demonstrations.
+The loss is on the response tokens only, up to and including the stop token, so that the model
+learns to stop. It is normalised by the response tokens of the whole global batch, so that 1 rank
+and N ranks, and any micro-batch split, make the same update. Eval: the teacher-forced loss on
+held-out pairs and, for a task with a verifier, the accuracy of greedy generations.
 
-    python sft.py                                          # tiny GPT-2 from scratch on the offline arithmetic task
-    torchrun --nproc_per_node=2 sft.py                     # the same run, FSDP2 over 2 ranks (gloo on CPU, nccl on GPU)
-    python sft.py --model gpt2 --data runs/data/gsm8k --lr 1e-5   # pretrained GPT-2 on a dataset written by data.prep
-    python sft.py --resume --out_dir runs/sft/<run>        # continue a run from its last checkpoint
+    python sft.py                                    # tiny GPT-2 from scratch, offline arithmetic
+    torchrun --nproc_per_node=2 sft.py               # the same run, FSDP2 over 2 ranks
+    python sft.py --model gpt2 --data runs/data/gsm8k --lr 1e-5   # pretrained GPT-2, prepped data
+    python sft.py --resume --out_dir runs/sft/<run>  # continue a run from its last checkpoint
 
-Each run writes a fresh `runs/sft/<time>-s<seed>/` (model in the HF safetensors layout, checkpoints, args.json,
-metrics.jsonl); `runs/sft/latest` links to the last finished one, where reward.py, dpo.py, ppo.py and grpo.py look.
-The plumbing section at the bottom (~230 lines, identical in every script) is what lets this one file run alone:
-torchrun, run directories, atomic checkpoints and one-line errors.
+A run writes runs/sft/<time>-s<seed>/ (the model in the HF safetensors layout, checkpoints,
+args.json, metrics.jsonl); runs/sft/latest links the last finished one, where the next stages look.
 """
 
 import atexit
+import datetime
+import fcntl
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -33,6 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import state_dict as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
 import gpt2
@@ -41,25 +47,25 @@ import gpt2
 @dataclass
 class Args:
     model: str = "tiny"
-    """`tiny` (random init), a GPT-2 preset (`gpt2`, `gpt2-medium`, ... pretrained weights) or a checkpoint dir"""
+    """`tiny` (random init), a GPT-2 preset (`gpt2`, ... pretrained) or a checkpoint directory"""
     data: str = "arithmetic"
-    """`arithmetic` (the built-in offline task) or a dataset directory written by `python -m data.prep`"""
+    """`arithmetic` (the built-in offline task) or a directory written by `python -m data.prep`"""
     out_dir: str = ""
-    """run directory; default a fresh runs/sft/<time>-s<seed>, linked as runs/sft/latest when it finishes"""
+    """run directory; default a fresh runs/sft/<time>-s<seed>"""
     overwrite: bool = False
     """delete the run already in --out_dir and start afresh"""
     resume: bool = False
     """continue the run in --out_dir from its last complete checkpoint"""
     seed: int = 1
-    """seed for init and data order (identical on every rank)"""
+    """seed of the init and the data order (the same on every rank)"""
     lr: float = 3e-3
-    """peak learning rate (3e-3 suits the tiny model from scratch; use ~1e-5 for pretrained GPT-2)"""
+    """peak learning rate (3e-3 suits the tiny model from scratch, ~1e-5 pretrained GPT-2)"""
     warmup_steps: int = 100
     """linear warmup steps, then cosine decay to lr * min_lr_ratio"""
     min_lr_ratio: float = 0.1
-    """final learning rate as a fraction of lr"""
+    """the final learning rate as a fraction of lr"""
     weight_decay: float = 0.0
-    """AdamW weight decay on matrices (not on biases, LayerNorms)"""
+    """AdamW weight decay on matrices (not on biases and LayerNorms)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold on the global gradient norm"""
     total_steps: int = 1000
@@ -67,19 +73,19 @@ class Args:
     batch_size: int = 128
     """sequences per optimizer step, over all ranks"""
     micro_batch_size: int = 32
-    """sequences per forward pass on one rank (gradient accumulation makes up the rest)"""
+    """sequences per forward pass on one rank (accumulation does the rest)"""
     response_length: int = 16
     """max new tokens when generating for eval accuracy"""
     eval_every: int = 100
-    """steps between evals (and checkpoints)"""
+    """steps between evals and checkpoints"""
     eval_size: int = 500
-    """held-out examples for eval loss and accuracy"""
+    """held-out examples for the eval loss and accuracy (0: no eval)"""
     log_every: int = 10
-    """steps between status lines / metrics rows"""
+    """steps between status lines and metrics rows"""
     keep_checkpoints: int = 2
-    """number of resumable checkpoints kept in out_dir/checkpoints"""
+    """resumable checkpoints kept in out_dir/checkpoints"""
     dtype: str = "auto"
-    """`auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16` (autocast; FSDP2 bf16 params + fp32 reduce)"""
+    """`auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`"""
     compile: bool = False
     """torch.compile the model"""
     activation_checkpointing: bool = False
@@ -88,481 +94,357 @@ class Args:
     """also log to Weights & Biases (imported only when set)"""
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# SFT: the loss on response tokens, and the masks it needs
-
-
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Index of the first True in each row of (B, T), or T when there is none."""
-    row_len = bools.size(-1)
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
-    return torch.min(zero_or_index, dim=-1).values
-
-
-def response_mask(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, T) bool: response tokens up to and including the first stop token (whatever the pad token is)."""
-    stop = first_true_indices(response == eos_token_id)
-    return torch.arange(response.size(1), device=response.device)[None, :] <= stop[:, None]
-
-
-def trim_padding(query: torch.Tensor, response: torch.Tensor, pad_token_id: int, eos_token_id: int):
-    """Drop the left-pad columns every query shares and the columns after every response's stop token (saves compute,
-    changes nothing: positions come from the mask)."""
-    q_start = int(first_true_indices((query != pad_token_id).any(0, keepdim=True)).item())
-    r_len = int(response_mask(response, eos_token_id).sum(1).max().item())
-    return query[:, min(q_start, query.size(1) - 1) :], response[:, :r_len]
+# ----------------------------------------------------------------------------------------------
+# SFT: the loss on response tokens
 
 
 def sft_loss_sums(model, query, response, pad_token_id, eos_token_id, ctx):
-    """Summed token NLL over response tokens (to and including the stop token), and their count."""
-    mask = response_mask(response, eos_token_id)  # (B, Tr)
+    """Summed NLL of the response tokens (to and including the stop token), and their count."""
+    mask = gpt2.response_mask(response, eos_token_id)  # (B, Tr)
     attention_mask = torch.cat([query != pad_token_id, mask], 1)
     with ctx:
-        # logits from the last prompt position on: position t predicts token t + 1, so the last token is only
-        # predicted, never read, and is left out of the input (one position less of compute)
-        logits = model(torch.cat([query, response[:, :-1]], 1), attention_mask=attention_mask[:, :-1],
-                       keep_from=query.size(1) - 1)  # (B, Tr, V) fmt: skip
+        # position t predicts token t + 1: the last token is only predicted, so it is not an input
+        inputs = torch.cat([query, response[:, :-1]], 1)
+        logits = model(inputs, attention_mask[:, :-1], keep_from=query.size(1) - 1)  # (B, Tr, V)
     nll = F.cross_entropy(logits.float().flatten(0, 1), response.flatten().long(), reduction="none")
     return (nll.view_as(mask) * mask).sum(), mask.sum()
 
 
-def lr_at(step: int, args: Args) -> float:
+def lr_at(step, args):
     """Linear warmup, then cosine to lr * min_lr_ratio."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
+    return args.lr * (
+        args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # main
 
 
 def main(args: Args):
-    # ---- sizes, distributed setup, seeds, run dir
+    # 1. sizes, distributed setup, seeds
     rank, world_size, device = setup_distributed()
-    master = rank == 0
-    local_batch_size = exact_div(args.batch_size, world_size, "--batch_size must divide by the number of ranks")
-    grad_accum = exact_div(local_batch_size, args.micro_batch_size, "per-rank batch (--batch_size / ranks) must divide by --micro_batch_size")
+    local_batch_size = exact_div(args.batch_size, world_size, "--batch_size or the number of ranks")
+    micro_batch_size, grad_accum = micro_batches(local_batch_size, args.micro_batch_size)
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     torch.manual_seed(args.seed)
 
-    # ---- data
+    # 2. data
     meta = data.load_meta(args.data)
     train, test = data.load_split(args.data, "sft_train"), data.load_split(args.data, "sft_test")
     prompts = data.load_split(args.data, "prompt_test") if meta.get("task") else None
-    pad, eos = meta["pad_token_id"], meta["eos_token_id"]
-    n_train = len(train["query"])
+    pad, eos, n_train = meta["pad_token_id"], meta["eos_token_id"], len(train["query"])
     if n_train < args.batch_size:
-        raise RunError(f"sft_train has {n_train} examples, fewer than --batch_size {args.batch_size}: lower it")
+        raise RunError(f"sft_train has {n_train} examples: lower --batch_size {args.batch_size}")
 
-    # ---- model, optimizer
-    model = gpt2.load_model(args.model, vocab_size=meta["vocab_size"])
-    if train["query"].shape[1] + train["response"].shape[1] > model.config.block_size:
-        raise RunError(f"prompt + response ({train['query'].shape[1]} + {train['response'].shape[1]} tokens) exceed "
-                       f"the model context {model.config.block_size}: prep with a smaller --max_query_len")  # fmt: skip
+    # 3. run directory, model, optimizer
+    args.out_dir = start_run(args, "sft")
+    model = gpt2.load(args.model, meta)
+    length = train["query"].shape[1] + train["response"].shape[1]
+    if length > model.config.block_size:
+        raise RunError(f"prompt + response ({length} tokens) exceed the context: prep shorter")
     model.activation_checkpointing = args.activation_checkpointing
     model.to(device)
     if dist.is_initialized():
-        shard_model(model, device, bf16)
+        shard(model, device, bf16)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    # fused: one kernel for all parameters, on CPU as on CUDA (see docs/benchmarks.md)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=True,
-    )  # fmt: skip
+    groups = [
+        dict(params=decay, weight_decay=args.weight_decay),
+        dict(params=no_decay, weight_decay=0),
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
     forward_model = torch.compile(model) if args.compile else model
-    args.out_dir = start_run(args, "sft", master)
-    start_step = load_checkpoint(args.out_dir, model, optimizer, master)["step"] if args.resume else 0
-    stop = {"now": False}  # SIGTERM (a cluster's preemption): finish the step, save a checkpoint, exit
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    models = {"model": (model, optimizer)}
+    start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
 
-    def evaluate() -> dict:
-        """Teacher-forced loss on sft_test and, when the task has a verifier, greedy accuracy on prompt_test."""
+    def evaluate():
+        """Teacher-forced loss on sft_test and, with a verifier, greedy accuracy on prompt_test."""
         model.eval()
-        n = min(args.eval_size, len(test["query"])) // world_size * world_size  # equal shares: FSDP2 needs all ranks
-        idx, sums = np.arange(rank, n, world_size), dict(nll=0.0, tokens=0.0)
+        n = min(args.eval_size, len(test["query"])) // world_size * world_size  # equal shares
+        idx, sums = np.arange(rank, n, world_size), torch.zeros(2, device=device)
         with torch.no_grad():
-            for i in progress(range(0, len(idx), args.micro_batch_size), "eval loss", master):
-                j = idx[i : i + args.micro_batch_size]
-                q, r = (torch.from_numpy(test[k][j]).to(device) for k in ("query", "response"))
-                nll, count = sft_loss_sums(model, *trim_padding(q, r, pad, eos), pad, eos, ctx)
-                sums["nll"], sums["tokens"] = sums["nll"] + nll, sums["tokens"] + count
-        sums = reduce_sums(sums, device)
-        out = {"eval/loss": sums["nll"] / sums["tokens"]}
-        if prompts is not None:
-            out["eval/accuracy"] = greedy_accuracy(model, prompts, meta, args.eval_size, args.micro_batch_size,
-                                                   args.response_length, rank, world_size, device, ctx)  # fmt: skip
+            for i in data.progress(range(0, len(idx), micro_batch_size), "eval loss", show=MASTER):
+                j = idx[i : i + micro_batch_size]
+                query, response = (
+                    torch.from_numpy(test[k][j]).to(device) for k in ("query", "response")
+                )
+                query, response = gpt2.trim_padding(query, response, pad, eos)
+                sums += torch.stack(sft_loss_sums(model, query, response, pad, eos, ctx))
+        nll, tokens = all_reduce(sums).tolist()
         model.train()
+        out = {"eval/loss": nll / max(tokens, 1)}
+        if prompts is not None:
+            out["eval/accuracy"] = data.greedy_accuracy(
+                model, prompts, meta, args.eval_size, micro_batch_size, args.response_length, ctx
+            )
         return out
 
-    # ---- training loop: one permutation of the data per epoch from (seed, epoch), identical on every rank; rank r
-    # takes its contiguous slice of each global batch, so any number of ranks sees the same global batches
+    # 4. training loop: one permutation of the data per epoch, keyed by (seed, epoch); rank r takes
+    # its slice of each global batch, so any number of ranks sees the same global batches
     steps_per_epoch = n_train // args.batch_size
-    perm_cache = {}
-    t0, tokens = time.time(), 0
+    t0, tokens = time.time(), torch.zeros((), device=device)
     model.train()
-    for step in range(start_step, args.total_steps):
+    for step in range(start, args.total_steps):
         epoch, k = divmod(step, steps_per_epoch)
-        if epoch not in perm_cache:
-            perm_cache = {epoch: np.random.default_rng([args.seed, epoch]).permutation(n_train)}
-        batch_idx = perm_cache[epoch][k * args.batch_size : (k + 1) * args.batch_size]
-        local_idx = batch_idx[rank * local_batch_size : (rank + 1) * local_batch_size]
+        order = np.random.default_rng([args.seed, epoch]).permutation(n_train)
+        local_idx = order[k * args.batch_size :][rank * local_batch_size :][:local_batch_size]
         b_query = torch.from_numpy(train["query"][local_idx]).to(device)
         b_response = torch.from_numpy(train["response"][local_idx]).to(device)
-        # 1. normalise by the global count of response tokens: the same update on 1 or N ranks, any micro split
-        n_tokens = all_reduce(response_mask(b_response, eos).sum().float())
+        # 4a. normalise by the global count of response tokens: the same update at any rank count
+        n_tokens = all_reduce(gpt2.response_mask(b_response, eos).sum().float())
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        # 2. forward/backward over micro-batches; FSDP2 reduce-scatters the gradients once, on the last one
+        # 4b. forward and backward over micro-batches; FSDP2 reduces gradients on the last one
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
-            s = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            s = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
             if dist.is_initialized():
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
-            mb_query, mb_response = trim_padding(b_query[s], b_response[s], pad, eos)
+            mb_query, mb_response = gpt2.trim_padding(b_query[s], b_response[s], pad, eos)
             nll_sum, count = sft_loss_sums(forward_model, mb_query, mb_response, pad, eos, ctx)
-            # FSDP averages gradients over ranks, so scale by world_size to get sum / global token count
+            # FSDP2 averages gradients over ranks: times world_size makes sum / global count
             (nll_sum * world_size / n_tokens).backward()
             loss_sum += nll_sum.detach()
-            tokens += int(count) + int((mb_query != pad).sum())
-        # 3. clip (the returned norm is the global one, before clipping) and step
+            tokens += count + (mb_query != pad).sum()
+        # 4c. clip (the returned norm is the global one, before clipping) and step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         loss = all_reduce(loss_sum) / n_tokens
         if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite loss {loss.item()} or grad norm at step {step + 1}: lower --lr; the "
-                                     f"last good checkpoint is in {args.out_dir}/checkpoints (--resume)")  # fmt: skip
+            raise RunError(
+                f"non-finite loss {loss.item()} or grad norm at step {step + 1}: lower --lr; the "
+                f"last good checkpoint is in {args.out_dir}/checkpoints (--resume)"
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        # 4. log, evaluate, checkpoint
-        eval_now = (step + 1) % args.eval_every == 0 or step + 1 == args.total_steps
-        if (step + 1) % args.log_every == 0 or step == start_step or eval_now:
-            metrics = {"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/lr": lr_at(step, args),
-                       "perf/tokens_per_sec": all_reduce(torch.tensor(float(tokens), device=device)).item() / (time.time() - t0)}  # fmt: skip
-            if eval_now:
+        # 4d. log, evaluate, checkpoint
+        done = step + 1
+        eval_now = done % args.eval_every == 0 or done == args.total_steps
+        if done % args.log_every == 0 or step == start or eval_now:
+            tokens = all_reduce(tokens.float()).item()
+            metrics = {
+                "train/loss": loss.item(),
+                "train/grad_norm": grad_norm.item(),
+                "train/lr": lr_at(step, args),
+                "perf/tokens_per_sec": tokens / (time.time() - t0),
+            }
+            if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
-            log_metrics(args.out_dir, step + 1, metrics, SHOW, master)
-            t0, tokens = time.time(), 0
-        if eval_now or stop["now"]:
-            save_checkpoint(args.out_dir, step + 1, model, optimizer, args.keep_checkpoints)
-        if stop["now"]:
-            raise RunError(f"SIGTERM: saved a checkpoint at step {step + 1}; continue with --resume --out_dir {args.out_dir}")
+            log_metrics(args.out_dir, done, metrics, SHOW)
+            t0, tokens = time.time(), torch.zeros((), device=device)
+        checkpoint(args, done, models, due=eval_now)
 
-    # ---- save the final model in the HF GPT-2 layout (what reward.py, dpo.py, ppo.py and grpo.py load), teardown
-    sd = gpt2.full_state_dict(model)
-    if master:
-        gpt2.save_model(sd, model.config, args.out_dir)
-        print(f"saved {args.out_dir}/model.safetensors", flush=True)
-    finish_run(args, "sft", master)
+    # 5. the final model in the HF GPT-2 layout, where reward.py, dpo.py, ppo.py and grpo.py look
+    gpt2.save(model, args.out_dir)
+    finish_run(args, "sft")
 
 
-SHOW = ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_sec")  # the status line; metrics.jsonl has all
+SHOW = ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_sec")  # the status line
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Evaluation shared with dpo.py, ppo.py and grpo.py
-
-
-@torch.no_grad()
-def greedy_accuracy(model, prompts, meta, eval_size, batch, response_length, rank, world_size, device, ctx) -> float:
-    """Fraction of held-out prompts whose greedy response the task's verifier accepts, over all ranks (each rank
-    takes a strided share; the shares are equal, as FSDP2 needs every rank in every forward)."""
-    enc, pad, eos = data.get_encoding(meta["tokenizer"]), meta["pad_token_id"], meta["eos_token_id"]
-    n = min(eval_size, len(prompts["query"])) // world_size * world_size
-    idx, correct = np.arange(rank, n, world_size), 0.0
-    was_training = model.training
-    model.eval()
-    for i in progress(range(0, len(idx), batch), "eval accuracy", rank == 0):
-        j = idx[i : i + batch]
-        q = torch.from_numpy(prompts["query"][j]).to(device)
-        q = q[:, min(int(first_true_indices((q != pad).any(0, keepdim=True))), q.size(1) - 1) :]
-        with ctx:
-            resp = gpt2.generate(model, q, pad, min(response_length, model.config.block_size - q.size(1)), eos, 0.0)
-        stop = first_true_indices(resp == eos).tolist()
-        for row, s, gt in zip(resp.tolist(), stop, prompts["ground_truth"][j]):
-            correct += data.verify(meta["task"], enc.decode(row[:s]), str(gt))
-    model.train(was_training)
-    return reduce_sums({"correct": correct}, device)["correct"] / max(n, 1)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
-# Distributed setup, FSDP2 wrapping, run directories, checkpoints, logging and one-line errors. Nothing below is part of
-# the algorithm; it is copied verbatim between the five scripts so each one stays a single runnable file.
+# torchrun and FSDP2, the run directory, resumable checkpoints, metrics: not the algorithm.
+
+RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
+MASTER = os.environ.get("RANK", "0") == "0"
+SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
+LOCKS = []  # the run directory's flock, held until the process ends
 
 
-class RunError(Exception):
-    """A problem the user can fix (bad flag, missing file, busy out_dir): printed as one line by rank 0, no traceback."""
-
-
-def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
-        raise RunError(f"{what}: {a} is not divisible by {b}")
+def exact_div(a, b, flags):
+    if b <= 0 or a % b:
+        raise RunError(f"{a} does not divide by {b}: change {flags}")
     return a // b
 
 
+def micro_batches(local_batch_size, micro_batch_size):
+    """(micro-batch size, micro-batches per step): at most the per-rank batch, which it divides."""
+    if micro_batch_size > local_batch_size and MASTER:
+        print(f"--micro_batch_size {micro_batch_size} > per-rank batch: using {local_batch_size}")
+    micro_batch_size = min(micro_batch_size, local_batch_size)
+    return micro_batch_size, exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
+
+
 def setup_distributed():
-    """torchrun → process group (nccl on CUDA, gloo on CPU); plain python → a single process. Returns
-    (rank, world_size, device)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return rank, world_size, device
+    """Under torchrun a process group (nccl on CUDA, gloo on CPU), torn down at exit; else one
+    process. Returns (rank, world_size, device)."""
+    gpt2.keep_freed_memory()
+    signal.signal(signal.SIGTERM, lambda *_: SIGTERM.append(True))
+    cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if "RANK" in os.environ:
+        if cuda:
+            torch.cuda.set_device(device)
+        # a long save on rank 0 must not time out the other ranks' wait
+        timeout = datetime.timedelta(hours=2)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        atexit.register(dist.destroy_process_group)
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool):
-    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit); bf16
-    params with fp32 gradient reduction when bf16. Works for a GPT or a reward/value model with a scalar head."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+def shard(model, device, bf16):
+    """FSDP2: each block, then the root (the tied wte and lm_head together). In bf16: bf16 block
+    parameters and fp32 gradient reduction; the root stays fp32 for the model's fp32 head."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for block in [m for m in model.modules() if isinstance(m, gpt2.Block)]:
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
+    for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place (a no-op in a single process)."""
+def all_reduce(x):
+    """Sum over ranks, in place (a no-op in one process)."""
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
 
 
-def reduce_sums(sums: dict, device) -> dict:
-    """{name: scalar} summed over ranks with one all-reduce (stacked once, float64), returned by name."""
-    t = all_reduce(torch.stack([torch.as_tensor(v, device=device).detach().double() for v in sums.values()]))
-    return dict(zip(sums, t.tolist()))
-
-
-def start_run(args, algo: str, master: bool) -> str:
-    """Claim the run directory and return it. Default: a fresh `runs/<algo>/<time>-s<seed>`, so no run is ever
-    overwritten; `runs/<algo>/latest` links to it once it finishes (where the next stage looks by default). An explicit
-    --out_dir that already holds a run needs --resume (continue it) or --overwrite (delete it first), so two runs never
-    mix in one metrics.jsonl. A lock file holding rank 0's pid stops a second run from writing into the same dir."""
-    out_dir, error = args.out_dir or os.path.join("runs", algo, time.strftime("%Y%m%d-%H%M%S") + f"-s{args.seed}"), None
-    while master and not args.out_dir and os.path.exists(out_dir):  # two runs started in the same second
+def start_run(args, algo):
+    """The run directory, claimed by rank 0: a fresh runs/<algo>/<time>-s<seed>, or --out_dir, which
+    needs --resume or --overwrite once it holds a run. An flock keeps a second process out."""
+    out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
+    while MASTER and not args.out_dir and os.path.exists(out_dir):  # two runs in one second
         out_dir += "x"
-    if master:
-        try:
-            _claim(args, out_dir, algo)
-        except RunError as e:
-            error = str(e)
-    if dist.is_initialized():  # every rank takes rank 0's name (clocks differ) and fails together, never hangs
-        box = [out_dir, error]
+    box = [out_dir, None]
+    try:
+        if MASTER:
+            claim_run_dir(out_dir, args)
+    except RunError as e:
+        box[1] = e
+    if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
-        out_dir, error = box
-    if error:
-        raise RunError(error)
-    if master:
-        print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
-        if args.wandb:
-            import wandb
+    if box[1]:
+        raise box[1]
+    if MASTER and args.wandb:
+        import wandb
 
-            wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
-    return out_dir
+        wandb.init(config=asdict(args), dir=box[0], name=os.path.basename(box[0]))
+    return box[0]
 
 
-def _claim(args, out_dir: str, algo: str):
+def claim_run_dir(out_dir, args):
     if args.resume and not args.out_dir:
-        raise RunError(f"--resume needs the run to continue: pass --out_dir runs/{algo}/<run> (printed at its start)")
-    lock = os.path.join(out_dir, ".lock")
-    if os.path.isfile(lock):
-        pid = int(open(lock).read().strip() or 0)
-        if pid and pid != os.getpid() and _pid_alive(pid):
-            raise RunError(f"another run (pid {pid}) is writing to '{out_dir}': wait for it or pass another --out_dir")
-    if args.resume and not glob.glob(os.path.join(out_dir, "checkpoints", "step_*")):
-        raise RunError(f"--resume: no checkpoint in '{out_dir}/checkpoints': drop --resume to start a fresh run")
-    has_run = any(os.path.exists(os.path.join(out_dir, f)) for f in RUN_FILES)
-    if has_run and not (args.resume or args.overwrite):
-        raise RunError(f"'{out_dir}' already holds a run: pass --resume to continue it, --overwrite to replace it, "
-                       "or another --out_dir")  # fmt: skip
+        raise RunError("--resume needs --out_dir DIR: the run to continue")
     try:
-        if has_run and args.overwrite and not args.resume:
-            for path in (os.path.join(out_dir, f) for f in RUN_FILES):
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                elif os.path.exists(path):
-                    os.remove(path)
         os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
-        with open(lock, "w") as f:
-            f.write(str(os.getpid()))
-        for d in glob.glob(os.path.join(out_dir, "checkpoints", ".tmp_*")):  # a save killed half-way
-            shutil.rmtree(d, ignore_errors=True)
-        with open(os.path.join(out_dir, "args.json"), "w") as f:
-            json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
+        LOCKS.append(open(os.path.join(out_dir, ".lock"), "w"))
+        fcntl.flock(LOCKS[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunError(f"another run is writing to '{out_dir}': pass another --out_dir") from None
     except OSError as e:
-        raise RunError(f"cannot write to '{out_dir}' ({e.strerror}): pass a writable --out_dir") from None
-    atexit.register(lambda: os.path.isfile(lock) and open(lock).read() == str(os.getpid()) and os.remove(lock))
+        raise RunError(
+            f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
+        ) from None
+    if os.path.exists(os.path.join(out_dir, "args.json")) and not (args.resume or args.overwrite):
+        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
+    stale = glob.glob(os.path.join(out_dir, "checkpoints", ".tmp_*"))  # from a killed save
+    if args.overwrite and not args.resume:
+        stale += glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
+        open(os.path.join(out_dir, "metrics.jsonl"), "w").close()
+    for path in stale:
+        shutil.rmtree(path)
+    with open(os.path.join(out_dir, "args.json"), "w") as f:
+        json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
+    print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
 
 
-RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model.safetensors", "config.json")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def finish_run(args, algo: str, master: bool):
-    """After the final model is saved: point runs/<algo>/latest at a default run dir (relative link, swapped
-    atomically), then tear down the process group."""
-    if master and args.out_dir == os.path.join("runs", algo, os.path.basename(args.out_dir)):
+def finish_run(args, algo):
+    """After the final save: point runs/<algo>/latest, where the next stage looks, at a finished
+    default run, and exit."""
+    if MASTER:
+        print(f"saved {args.out_dir}/model.safetensors", flush=True)
+    if MASTER and args.out_dir == os.path.join("runs", algo, os.path.basename(args.out_dir)):
         link = os.path.join("runs", algo, "latest")
         os.symlink(os.path.basename(args.out_dir), link + ".tmp")
         os.replace(link + ".tmp", link)
-        print(f"{link} -> {args.out_dir}", flush=True)
-    if dist.is_initialized():
+    if MASTER and "wandb" in sys.modules:
+        sys.modules["wandb"].finish()
+    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
         dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
-def save_checkpoint(out_dir, step, model, optimizer, keep: int, extra: dict | None = None):
-    """Resumable checkpoint `checkpoints/step_N`: the model (HF layout), the optimizer, the step and `extra`. Written to
-    a temp dir, fsynced, then renamed into place, so a kill at any moment leaves either the complete checkpoint or
-    none; only the last `keep` are kept."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    sd = gpt2.full_state_dict(model)
-    opt_sd = optimizer.state_dict()
-    if dist.is_initialized():
-        opt_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        root = os.path.join(out_dir, "checkpoints")
-        tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        gpt2.save_model(sd, model.config, tmp)
-        torch.save(dict(step=step, optimizer=opt_sd, **(extra or {})), os.path.join(tmp, "state.pt"))
-        for f in os.listdir(tmp):
-            with open(os.path.join(tmp, f), "rb") as fh:
-                os.fsync(fh.fileno())
-        if os.path.isdir(final):  # the same step saved again (a re-run after --resume): replace it whole
-            shutil.rmtree(final)
+def checkpoint(args, step, models, due, extra=None):
+    """Save checkpoints/step_N when due or when any rank got SIGTERM (agreed by all, so all save at
+    the same step), then stop on SIGTERM. models: {name: (model, optimizer)}, each saved in the HF
+    layout with its optimizer's full state on CPU; built in a temp dir and renamed into place, so a
+    kill leaves all or nothing. A collective: every rank calls it at every step."""
+    device = next(next(iter(models.values()))[0].parameters()).device
+    stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
+    if not (due or stop):
+        return
+    root = os.path.join(args.out_dir, "checkpoints")
+    tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
+    state = dict(step=step, **(extra or {}))
+    for name, (model, optimizer) in models.items():
+        gpt2.save(model, os.path.join(tmp, name))
+        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state[name] = dcp.get_optimizer_state_dict(model, optimizer, options=options)
+    if MASTER:
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(tmp, final)
-        dir_fd = os.open(root, os.O_RDONLY)
-        os.fsync(dir_fd)
-        os.close(dir_fd)
-        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        for old in sorted(glob.glob(os.path.join(root, "step_*")))[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()
+    if stop:
+        raise RunError(
+            f"SIGTERM: saved step {step}; continue with --resume --out_dir {args.out_dir}"
+        )
 
 
-def load_checkpoint(out_dir, model, optimizer, master: bool) -> dict:
-    """--resume: load the newest complete checkpoint into the (possibly sharded) model and optimizer and return its
-    state (step and extras). A damaged one (truncated file) is skipped with a warning naming it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    root = os.path.join(out_dir, "checkpoints")
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
-    for name in reversed(steps):
-        path = os.path.join(root, name)
+def load_checkpoint(out_dir, models):
+    """--resume: rank 0 picks the newest checkpoint that reads whole, skipping damaged ones; every
+    rank loads it into its models and optimizers, at any world size. Returns its state."""
+    box = [None]
+    paths = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*")), reverse=True)
+    for path in paths if MASTER else []:
         try:
-            sd = gpt2.read_checkpoint(path)[0]
-            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        except Exception as e:  # noqa: BLE001  (safetensors and torch.load raise many kinds on a truncated file)
-            if master:
-                print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__}); trying the previous one", flush=True)
-            continue
-        gpt2.load_full_state_dict(model, gpt2.state_dict_from_hf(sd, model))
-        if dist.is_initialized():
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        if master:
-            print(f"resumed from {path} at step {state['step']}", flush=True)
-            _truncate_metrics(out_dir, state["step"])
-        return state
-    raise RunError(f"--resume: no complete checkpoint in '{root}': drop --resume (and pass --overwrite) to start afresh")
+            torch.load(os.path.join(path, "state.pt"), "cpu", weights_only=True)
+            for name in models:
+                load_file(os.path.join(path, name, "model.safetensors"))
+            box = [path]
+            break
+        except Exception as e:  # safetensors and torch.load raise many kinds on a damaged file
+            print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__})", flush=True)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
+    state = torch.load(os.path.join(box[0], "state.pt"), "cpu", weights_only=True)
+    for name, (model, optimizer) in models.items():
+        gpt2.load_weights(model, os.path.join(box[0], name))
+        options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
+        dcp.set_optimizer_state_dict(model, optimizer, state[name], options=options)
+    if MASTER:  # the rows a killed run logged after this checkpoint are logged again
+        print(f"resumed from {box[0]} at step {state['step']}", flush=True)
+        metrics = os.path.join(out_dir, "metrics.jsonl")
+        rows = open(metrics).readlines() if os.path.isfile(metrics) else []
+        with open(metrics, "w") as f:
+            f.writelines(r for r in rows if json.loads(r)["step"] <= state["step"])
+    return state
 
 
-def _truncate_metrics(out_dir: str, step: int):
-    """Drop the metrics rows a killed run logged after its last checkpoint: they are logged again on resume."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.isfile(path):
-        rows = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= step]
-        with open(path, "w") as f:
-            f.writelines(rows)
-
-
-def log_metrics(out_dir, step: int, metrics: dict, show: tuple, master: bool):
-    """Rank 0 appends one JSON row to metrics.jsonl (every metric) and prints one status line (the `show` ones)."""
-    if not master:
-        return
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, **metrics}) + "\n")
-    print(f"step {step:5d} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics), flush=True)
-    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+def log_metrics(out_dir, step, metrics, show):
+    """Rank 0: one JSON row in metrics.jsonl (every metric) and one status line (`show`)."""
+    if MASTER:
+        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        status = " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics)
+        print(f"step {step:5d} | {status}", flush=True)
+    if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].log(metrics, step=step)
 
 
-def progress(items, what: str, master: bool, every: float = 5.0):
-    """Iterate over `items`, printing `what: i/n (rate/s)` on rank 0 every few seconds and at the end of a long phase."""
-    t0 = last = time.time()
-    n = len(items)
-    for i, item in enumerate(items):
-        yield item
-        now = time.time()
-        if master and (now - last > every or (i + 1 == n and now - t0 > every)):
-            print(f"{what}: {i + 1}/{n} ({(i + 1) / (now - t0):.1f}/s)", flush=True)
-            last = now
-
-
-def keep_freed_memory():
-    """Linux/glibc: keep freed buffers of up to 32 MiB in the process. By default glibc returns a freed multi-MB buffer
-    (a gradient, an activation) to the OS and page-faults it back in on the next step; at the GPT-2 124M shape on CPU
-    that made a training step 14% slower and its time vary from run to run (docs/benchmarks.md)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to tune
-        return
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: buffers below 32 MiB come from the heap, not fresh mmaps
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: up to 1 GiB of freed heap stays, for the next step to reuse
-
-
-def run(main, args):
-    """Run main(args); a RunError (or another problem the user can fix) becomes one line on rank 0 and exit code 1.
-    Under torchrun the process then exits without the interpreter's teardown. With torch 2.13 on gloo, DTensor's
-    caches keep the process group alive past destroy_process_group, and tearing its threads down with the interpreter
-    aborted the process (SIGABRT) after the model was saved: 10 of 40 two-rank runs of a small FSDP2 script on a
-    loaded 2-core machine."""
-    keep_freed_memory()
-    code = 0
-    try:
-        main(args)
-    except (RunError, ValueError, FileNotFoundError, FloatingPointError, PermissionError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:  # torchrun stops every rank once one exits failed: let rank 0 print the one error line first
-            time.sleep(1)
-        code = 1
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if "RANK" in os.environ:
-        atexit._run_exitfuncs()  # what a normal exit would run (the run-dir lock's cleanup)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    run(main, tyro.cli(Args))
+    main(tyro.cli(Args))

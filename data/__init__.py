@@ -1,19 +1,24 @@
-"""Shared data prep and loading. Every algorithm file reads its data through `load_split` and `load_meta`.
+"""Shared data prep and loading.
 
-A dataset is either the built-in offline task (`arithmetic`, made in memory in a second) or a directory written by a
-prep entry point (under runs/data/, which git ignores), holding `meta.json` and one `.npz` per split:
+Every algorithm file reads its data through `load_split` and `load_meta`. A dataset is either the
+built-in offline task (`arithmetic`, made in memory in a second) or a directory written by a prep
+entry point (under runs/data/, which git ignores), holding `meta.json` and one `.npz` per split:
 
-    sft_{train,test}.npz     query (N, Tq) left-padded, response (N, Tr) ending in the stop token, then right-padded
+    sft_{train,test}.npz     query (N, Tq) left-padded, response (N, Tr) ending in the stop token,
+                             then right-padded
     pref_{train,test}.npz    query, chosen, rejected (responses as above)
     prompt_{train,test}.npz  query, ground_truth (strings; empty where a task has none)
 
-meta.json: tokenizer (`bytes`, `gpt2` or a .tiktoken path relative to the dataset dir), task (the verifier's, or
-null), eos_token_id (the stop token `<|endoftext|>`), pad_token_id and vocab_size. The pad id is the stop token's
-unless prep was given --pad_token_id; a pad id past the tokenizer's vocabulary makes vocab_size grow to hold it. Since
-pad may differ from eos, a response's real tokens are those up to and including its first stop token, and a query's
-are those != pad_token_id (no prompt may contain the pad id: prep checks).
+meta.json: tokenizer (`bytes`, `gpt2` or a .tiktoken path relative to the dataset dir), task (the
+verifier's, or null), eos_token_id (the stop token `<|endoftext|>`), pad_token_id and vocab_size.
+The pad id is the stop token's unless prep was given --pad_token_id; a pad id past the tokenizer's
+vocabulary makes vocab_size grow to hold it. Since pad may differ from eos, a response's real tokens
+are those up to and including its first stop token, and a query's are those != pad_token_id (no
+prompt may contain the pad id: prep checks).
 
-Entry points:  python -m data.arithmetic --out runs/data/arithmetic  ·  python -m data.prep {jsonl,gsm8k,hh-rlhf,tldr}
+Entry points:
+    python -m data.arithmetic --out runs/data/arithmetic
+    python -m data.prep {jsonl,gsm8k,hh-rlhf,tldr}
 """
 
 import json
@@ -23,22 +28,31 @@ import time
 from functools import lru_cache
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+import gpt2
 from data.tokenizer import get_encoding, portable_name, resolve_name
+from gpt2 import RunError  # a problem the user can fix: one line, no traceback
 
 SPLITS = ("sft_train", "sft_test", "pref_train", "pref_test", "prompt_train", "prompt_test")
 
 
 def pad_left(seqs: list[list[int]], pad_id: int, width: int | None = None) -> np.ndarray:
-    """Queries (N, width), padded on the left. A prompt holding the pad id would lose that token to the query mask."""
+    """Queries (N, width), padded on the left.
+
+    A prompt holding the pad id would lose that token to the query mask, so that raises.
+    """
     width = width or max(map(len, seqs))
     out = np.full((len(seqs), width), pad_id, dtype=np.int32)
     for i, s in enumerate(seqs):
         if s:
             out[i, width - len(s) :] = s
     if (out == pad_id).sum() != out.size - sum(map(len, seqs)):
-        raise ValueError(f"a prompt contains the pad id {pad_id}: pass a --pad_token_id no prompt uses (e.g. the "
-                         "tokenizer's vocabulary size)")
+        raise ValueError(
+            f"a prompt contains the pad id {pad_id}: pass a --pad_token_id no prompt uses "
+            "(e.g. the tokenizer's vocabulary size)"
+        )
     return out
 
 
@@ -50,30 +64,41 @@ def pad_right(seqs: list[list[int]], pad_id: int, width: int | None = None) -> n
     return out
 
 
-def make_meta(tokenizer: str, out_dir: str, task: str | None, pad_token_id: int | None = None) -> dict:
-    """meta.json of a dataset written to out_dir: the tokenizer named portably, pad = the stop token unless given, and
-    a vocab_size that holds the pad id."""
+def make_meta(
+    tokenizer: str, out_dir: str, task: str | None, pad_token_id: int | None = None
+) -> dict:
+    """meta.json of a dataset written to out_dir: the tokenizer named portably, pad = the stop token
+    unless given, and a vocab_size that holds the pad id."""
     enc = get_encoding(tokenizer)
     pad = enc.eot_token if pad_token_id is None else pad_token_id
     if pad < 0:
-        raise ValueError(f"--pad_token_id {pad} is negative: pass an id >= 0 (default: the stop token's)")
-    return dict(tokenizer=portable_name(tokenizer, out_dir), task=task, pad_token_id=pad, eos_token_id=enc.eot_token,
-                vocab_size=max(enc.n_vocab, pad + 1))
+        raise ValueError(
+            f"--pad_token_id {pad} is negative: pass an id >= 0 (default: the stop token's)"
+        )
+    return dict(
+        tokenizer=portable_name(tokenizer, out_dir),
+        task=task,
+        pad_token_id=pad,
+        eos_token_id=enc.eot_token,
+        vocab_size=max(enc.n_vocab, pad + 1),
+    )
 
 
-def progress(items, what: str, every: float = 5.0):
-    """Iterate over `items`, printing `what: i/n (rate/s)` every few seconds and at the end of a long phase."""
+def progress(items, what: str, every: float = 5.0, show: bool = True):
+    """Iterate over `items`, printing `what: i/n (rate/s)` every few seconds and at the end of a
+    long phase."""
     t0 = last = time.time()
     for i, item in enumerate(items):
         yield item
         now = time.time()
-        if now - last > every or (i + 1 == len(items) and now - t0 > every):
+        if show and (now - last > every or (i + 1 == len(items) and now - t0 > every)):
             print(f"{what}: {i + 1}/{len(items)} ({(i + 1) / (now - t0):.0f}/s)", flush=True)
             last = now
 
 
 def write_dataset(out_dir: str, meta: dict, splits: dict[str, dict[str, np.ndarray]]) -> None:
-    """Write meta.json and one npz per split (temp file, then rename, so a killed prep never leaves half a file)."""
+    """Write meta.json and one npz per split (temp file, then rename, so a killed prep never leaves
+    half a file)."""
     os.makedirs(out_dir, exist_ok=True)
     for name, arrays in splits.items():
         assert name in SPLITS, name
@@ -96,20 +121,24 @@ def _builtin(name: str):
 
 def _check_dir(data: str) -> None:
     if data != "arithmetic" and not os.path.isfile(os.path.join(data, "meta.json")):
-        raise FileNotFoundError(
-            f"no dataset at '{data}' (meta.json missing): use --data arithmetic or a directory written by "
-            "`python -m data.prep` / `python -m data.arithmetic --out DIR`"
+        raise RunError(
+            f"no dataset at '{data}' (meta.json missing): use --data arithmetic or a directory "
+            "written by `python -m data.prep` / `python -m data.arithmetic --out DIR`"
         )
 
 
 def load_meta(data: str) -> dict:
-    """tokenizer (a name or a path get_encoding takes), task, pad_token_id, eos_token_id, vocab_size."""
+    """tokenizer (a name or a path get_encoding takes), task, pad_token_id, eos_token_id,
+    vocab_size."""
     _check_dir(data)
     if data == "arithmetic":
         return dict(_builtin(data)[0])
-    with open(os.path.join(data, "meta.json")) as f:
-        meta = json.load(f)
-    return dict(meta, tokenizer=resolve_name(meta["tokenizer"], data))
+    try:
+        with open(os.path.join(data, "meta.json")) as f:
+            meta = json.load(f)
+        return dict(meta, tokenizer=resolve_name(meta["tokenizer"], data))
+    except (ValueError, KeyError) as e:
+        raise RunError(f"{data}/meta.json is damaged ({e!r}): prep the dataset again") from None
 
 
 def load_split(data: str, split: str) -> dict[str, np.ndarray]:
@@ -118,16 +147,23 @@ def load_split(data: str, split: str) -> dict[str, np.ndarray]:
     if data == "arithmetic":
         splits = _builtin(data)[1]
         if split not in splits:
-            raise KeyError(f"split '{split}' not in dataset '{data}'")
+            raise RunError(f"split '{split}' not in dataset '{data}'")
         return splits[split]
     path = os.path.join(data, split + ".npz")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset '{data}' has no split '{split}' ({path} missing): prep it with data.prep")
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
+        raise RunError(
+            f"dataset '{data}' has no split '{split}' ({path} missing): prep it with data.prep"
+        )
+    try:
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+    except Exception as e:  # numpy and zipfile raise many kinds on a damaged file
+        raise RunError(
+            f"cannot read {path} ({e.__class__.__name__}): prep the dataset again"
+        ) from None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Verifiers: reward 1.0 for a correct final answer, else 0.0
 
 
@@ -138,12 +174,48 @@ def _last_number(text: str) -> str | None:
 
 def verify(task: str, response: str, ground_truth: str) -> float:
     """The task's reward for one decoded response (text before the stop token)."""
-    if task == "arithmetic":  # exactly the number; the spaces that right-align it in a column do not count
+    # arithmetic: the spaces that right-align the number in a column are not part of the answer
+    if task == "arithmetic":
         return float(response.strip() == ground_truth)
     if task == "gsm8k":  # the last number in the response, compared as a number
         got = _last_number(response)
         try:
-            return float(got is not None and abs(float(got) - float(ground_truth.replace(",", ""))) < 1e-6)
+            return float(
+                got is not None and abs(float(got) - float(ground_truth.replace(",", ""))) < 1e-6
+            )
         except ValueError:
             return 0.0
-    raise ValueError(f"task '{task}' has no verifier: use a reward model (--reward_model) instead")
+    raise RunError(f"task '{task}' has no verifier: use a reward model (--reward_model) instead")
+
+
+def verify_batch(meta: dict, responses: list[list[int]], ground_truth) -> list[float]:
+    """The verifier's rewards of token-id responses, each decoded up to its first stop token."""
+    enc, eos = get_encoding(meta["tokenizer"]), meta["eos_token_id"]
+    texts = [enc.decode(r[: r.index(eos)] if eos in r else r) for r in responses]
+    return [verify(meta["task"], t, str(gt)) for t, gt in zip(texts, ground_truth)]
+
+
+@torch.no_grad()
+def greedy_accuracy(model, prompts, meta, eval_size, batch_size, response_length, ctx) -> float:
+    """Fraction of the first eval_size prompts of a split whose greedy response the task's verifier
+    accepts, over all ranks. Each rank takes an equal strided share: FSDP2 needs every rank in
+    every forward."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    n = min(eval_size, len(prompts["query"])) // world_size * world_size
+    idx, correct, device = np.arange(rank, n, world_size), 0.0, next(model.parameters()).device
+    length = min(response_length, model.config.block_size - prompts["query"].shape[1])
+    was_training = model.training
+    model.eval()
+    for i in progress(range(0, len(idx), batch_size), "eval accuracy", show=rank == 0):
+        j = idx[i : i + batch_size]
+        query = torch.from_numpy(prompts["query"][j]).to(device)
+        with ctx:
+            rollout = gpt2.generate(
+                model, query, meta["pad_token_id"], length, meta["eos_token_id"], 0.0
+            )
+        correct += sum(verify_batch(meta, rollout.response.tolist(), prompts["ground_truth"][j]))
+    model.train(was_training)
+    correct = torch.tensor(correct, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(correct)
+    return correct.item() / max(n, 1)

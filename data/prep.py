@@ -1,27 +1,32 @@
-"""Prepare a real dataset: read JSONL lines (optionally .gz), write the split layout of `data.write_dataset`.
+"""Prepare a real dataset: read JSONL (optionally .gz), write the layout of `data.write_dataset`.
 
-    python -m data.prep gsm8k --input gsm8k/train.jsonl --test_input gsm8k/test.jsonl --out runs/data/gsm8k \\
-        --tokenizer gpt2
-    python -m data.prep hh-rlhf --input harmless-base/train.jsonl.gz --test_input harmless-base/test.jsonl.gz \\
-        --out runs/data/hh --tokenizer gpt2 --max_query_len 512 --max_response_len 256 --truncate --drop_empty
-    python -m data.prep tldr --input comparisons/*.json --out runs/data/tldr --tokenizer gpt2 --max_query_len 600 \\
-        --truncate
-    python -m data.prep jsonl --input mine.jsonl --out runs/data/mine --task gsm8k --pad_token_id 50257
+    python -m data.prep gsm8k --input gsm8k/train.jsonl --test_input gsm8k/test.jsonl \\
+        --out runs/data/gsm8k --tokenizer gpt2
+    python -m data.prep hh-rlhf --input harmless-base/train.jsonl.gz \\
+        --test_input harmless-base/test.jsonl.gz --out runs/data/hh --tokenizer gpt2 \\
+        --max_query_len 512 --max_response_len 256 --truncate --drop_empty
+    python -m data.prep tldr --input comparisons/*.json --out runs/data/tldr --tokenizer gpt2 \\
+        --max_query_len 600 --truncate
+    python -m data.prep jsonl --input mine.jsonl --out runs/data/mine --task gsm8k \\
+        --pad_token_id 50257
 
-- jsonl: {prompt, completion} -> sft, {prompt, chosen, rejected} -> pref, {prompt, ground_truth} -> prompt.
-- gsm8k: {question, answer}: prompt "Question: ...\\nAnswer:", sft response = the worked answer, ground truth = the
-  number after "#### "; task gsm8k (checked by `data.verify`).
-- hh-rlhf: {chosen, rejected} dialogues: prompt = the shared prefix up to and including its last "\\n\\nAssistant:",
-  responses = the rest of each -> pref, sft (chosen), prompt (no ground truth).
-- tldr: summarize-from-feedback comparisons {info{subreddit, title, post}, summaries[{text}, {text}], choice} -> pref,
-  or the SFT format {subreddit, title, post, summary} -> sft; both -> prompt. Query format and the summary's leading
+- jsonl: {prompt, completion} -> sft, {prompt, chosen, rejected} -> pref, {prompt, ground_truth}
+  -> prompt.
+- gsm8k: {question, answer}: prompt "Question: ...\\nAnswer:", sft response = the worked answer,
+  ground truth = the number after "#### "; task gsm8k (checked by `data.verify`).
+- hh-rlhf: {chosen, rejected} dialogues: prompt = the shared prefix up to and including its last
+  "\\n\\nAssistant:", responses = the rest of each -> pref, sft (chosen), prompt (no ground truth).
+- tldr: summarize-from-feedback comparisons
+  {info{subreddit, title, post}, summaries[{text}, {text}], choice} -> pref, or the SFT format
+  {subreddit, title, post, summary} -> sft; both -> prompt. Query format and the summary's leading
   space as in summarize_from_feedback_details.
 
-Without --test_input a seeded fraction of the distinct prompts is held out, so no prompt is in both train and test.
-A bad line stops the prep with `file:line: problem: fix`; --truncate / --drop_empty drop over-long / empty rows.
-Padding uses the stop token unless --pad_token_id names another id (one past the vocabulary, e.g. 50257 for gpt2, grows
-meta.json's vocab_size by one); responses end in the stop token either way. The tokenizer is one of the names `bytes`,
-`gpt2` (the GPT-2 BPE shipped in data/, no download) or a .tiktoken file, which meta.json stores relative to --out.
+Without --test_input a seeded fraction of the distinct prompts is held out, so no prompt is in both
+train and test. A bad line stops the prep with `file:line: problem: fix`; --truncate / --drop_empty
+drop over-long / empty rows. Padding uses the stop token unless --pad_token_id names another id (one
+past the vocabulary, e.g. 50257 for gpt2, grows meta.json's vocab_size by one); responses end in the
+stop token either way. The tokenizer is one of the names `bytes`, `gpt2` (the GPT-2 BPE shipped in
+data/, no download) or a .tiktoken file, which meta.json stores relative to --out.
 """
 
 import argparse
@@ -39,10 +44,15 @@ from data.tokenizer import get_encoding
 GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
 TLDR_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 HH_TURN = "\n\nAssistant:"
-FIELDS = {"jsonl": "prompt plus completion, chosen+rejected or ground_truth", "gsm8k": "question and answer",
-          "hh-rlhf": "chosen and rejected", "tldr": "info, summaries and choice (or subreddit, title, post, summary)"}
+FIELDS = {
+    "jsonl": "prompt plus completion, chosen+rejected or ground_truth",
+    "gsm8k": "question and answer",
+    "hh-rlhf": "chosen and rejected",
+    "tldr": "info, summaries and choice (or subreddit, title, post, summary)",
+}
 TASKS = dict(gsm8k="gsm8k")  # formats with a verifier; the others are scored by a reward model
-RESPONSES = dict(sft=("response",), pref=("chosen", "rejected"), prompt=())  # response arrays per kind
+# the response arrays each kind of row has, in column order
+RESPONSES = dict(sft=("response",), pref=("chosen", "rejected"), prompt=())
 
 
 def _str(record: dict, key: str) -> str:
@@ -55,7 +65,7 @@ def _space(text: str) -> str:
     return text if text[:1].isspace() else " " + text
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One function per format: a JSON record -> rows (kind, prompt, *texts), kind in sft / pref / prompt
 
 
@@ -64,9 +74,10 @@ def jsonl_rows(r: dict) -> list[tuple]:
     if "chosen" in r or "rejected" in r:
         rows.append(("pref", _str(r, "prompt"), _str(r, "chosen"), _str(r, "rejected")))
     if "ground_truth" in r:
-        if isinstance(r["ground_truth"], bool) or not isinstance(r["ground_truth"], (str, int, float)):
+        truth = r["ground_truth"]
+        if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
             raise ValueError("field 'ground_truth' must be a string or a number")
-        rows.append(("prompt", _str(r, "prompt"), str(r["ground_truth"])))
+        rows.append(("prompt", _str(r, "prompt"), str(truth)))
     if not rows:
         raise ValueError("no completion, chosen/rejected or ground_truth field")
     return rows
@@ -86,7 +97,11 @@ def hh_rows(r: dict) -> list[tuple]:
         raise ValueError("chosen and rejected share no prefix ending in an Assistant turn")
     cut += len(HH_TURN)
     prompt = chosen[:cut]
-    return [("pref", prompt, chosen[cut:], rejected[cut:]), ("sft", prompt, chosen[cut:]), ("prompt", prompt, "")]
+    return [
+        ("pref", prompt, chosen[cut:], rejected[cut:]),
+        ("sft", prompt, chosen[cut:]),
+        ("prompt", prompt, ""),
+    ]
 
 
 def tldr_rows(r: dict) -> list[tuple]:
@@ -104,19 +119,24 @@ def tldr_rows(r: dict) -> list[tuple]:
 FORMATS = {"jsonl": jsonl_rows, "gsm8k": gsm8k_rows, "hh-rlhf": hh_rows, "tldr": tldr_rows}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reading, checking, splitting, tokenizing
 
 
 def read_rows(fmt: str, path: str) -> list[tuple]:
-    """All rows of one file as (location, kind, prompt, *texts); the first bad line raises, naming file and line."""
+    """All rows of one file as (location, kind, prompt, *texts); the first bad line raises, naming
+    file and line."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"input file '{path}' not found: pass an existing --input / --test_input path")
+        raise FileNotFoundError(
+            f"input file '{path}' not found: pass an existing --input / --test_input path"
+        )
     with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
         try:
             lines = f.readlines()
         except (OSError, EOFError) as e:  # a broken .gz
-            raise ValueError(f"{path}: unreadable ({e}): pass a JSONL file or an intact .jsonl.gz") from None
+            raise ValueError(
+                f"{path}: unreadable ({e}): pass a JSONL file or an intact .jsonl.gz"
+            ) from None
     rows = []
     for lineno, line in enumerate(progress(lines, f"read {path}"), 1):
         if not line.strip():
@@ -125,8 +145,10 @@ def read_rows(fmt: str, path: str) -> list[tuple]:
         try:
             record = json.loads(line)
         except ValueError as e:  # JSONDecodeError or UnicodeDecodeError
-            raise ValueError(f"{loc}: malformed JSON ({getattr(e, 'msg', 'not UTF-8')}): "
-                             "each line must be one JSON object (JSONL); fix or delete the line") from None
+            raise ValueError(
+                f"{loc}: malformed JSON ({getattr(e, 'msg', 'not UTF-8')}): "
+                "each line must be one JSON object (JSONL); fix or delete the line"
+            ) from None
         try:
             if not isinstance(record, dict):
                 raise ValueError("the line is not a JSON object")
@@ -136,8 +158,11 @@ def read_rows(fmt: str, path: str) -> list[tuple]:
     return rows
 
 
-def problem(query: list[int], texts: list[str], responses: list[list[int]], names: tuple, a) -> tuple | None:
-    """(what is wrong with a tokenized row, the flag that drops such rows), or None if it is fine."""
+def problem(
+    query: list[int], texts: list[str], responses: list[list[int]], names: tuple, a
+) -> tuple | None:
+    """(what is wrong with a tokenized row, the flag that drops such rows), or None if it is
+    fine."""
     if not query:
         return "empty prompt", None
     if a.max_query_len and len(query) > a.max_query_len:
@@ -146,29 +171,39 @@ def problem(query: list[int], texts: list[str], responses: list[list[int]], name
         if not text.strip():
             return f"empty {name}", "drop_empty"
         if a.max_response_len and len(ids) > a.max_response_len:
-            return f"{name} is {len(ids)} tokens (with eot), over --max_response_len {a.max_response_len}", "truncate"
+            over = f"over --max_response_len {a.max_response_len}"
+            return f"{name} is {len(ids)} tokens (with eot), {over}", "truncate"
     return None
 
 
 def split_prompts(rows: list[tuple], test_fraction: float, seed: int) -> tuple[list, list]:
-    """Hold out a seeded fraction of the distinct prompts (with all their rows) as the test split."""
+    """Hold out a seeded fraction of the distinct prompts (with all their rows) as the test
+    split."""
     prompts = sorted({r[2] for r in rows})
     random.Random(seed).shuffle(prompts)
     n_test = max(1, round(len(prompts) * test_fraction))
     if n_test >= len(prompts):
-        raise ValueError(f"only {len(prompts)} distinct prompts: too few to hold out a test split; pass --test_input")
+        raise ValueError(
+            f"only {len(prompts)} distinct prompts: too few to hold out a test split; "
+            "pass --test_input"
+        )
     test = set(prompts[:n_test])
     return [r for r in rows if r[2] not in test], [r for r in rows if r[2] in test]
 
 
-def tokenize(rows: list[tuple], enc, pad: int, a, skipped: dict) -> dict[str, dict[str, np.ndarray]]:
-    """Rows -> {kind: arrays}: queries left-padded, responses ending in <|endoftext|> then right-padded, with `pad`."""
+def tokenize(
+    rows: list[tuple], enc, pad: int, a, skipped: dict
+) -> dict[str, dict[str, np.ndarray]]:
+    """Rows -> {kind: arrays}: queries left-padded, responses ending in <|endoftext|> then
+    right-padded, with `pad`."""
     eot, out, seen = enc.eot_token, {}, set()
     for loc, kind, prompt, *texts in progress(rows, "tokenize"):
-        if kind == "prompt" and (prompt, texts[0]) in seen:  # e.g. a TL;DR post compared many times: RL on it once
+        # A TL;DR post compared many times would otherwise be an RL prompt many times over.
+        if kind == "prompt" and (prompt, texts[0]) in seen:
             continue
         names = RESPONSES[kind]
-        query, responses = enc.encode_ordinary(prompt), [enc.encode_ordinary(t) + [eot] for t in texts[: len(names)]]
+        query = enc.encode_ordinary(prompt)
+        responses = [enc.encode_ordinary(t) + [eot] for t in texts[: len(names)]]
         bad = problem(query, texts, responses, names, a)
         if bad and bad[1] and getattr(a, bad[1]):
             skipped[bad[1]] = skipped.get(bad[1], 0) + 1
@@ -181,7 +216,9 @@ def tokenize(rows: list[tuple], enc, pad: int, a, skipped: dict) -> dict[str, di
             seen.add((prompt, texts[0]))
             row["ground_truth"] = texts[0]
         out.setdefault(kind, []).append(row)
-    def column(name: str, values: list) -> np.ndarray:  # every column but query and ground_truth is a response
+
+    # every column but query and ground_truth is a response
+    def column(name: str, values: list) -> np.ndarray:
         if name == "ground_truth":
             return np.array(values)
         return pad_left(values, pad) if name == "query" else pad_right(values, pad)
@@ -204,11 +241,17 @@ def prep(a) -> dict:
     train, test = tokenize(train, enc, pad, a, skipped), tokenize(test, enc, pad, a, skipped)
     for kind in sorted(set(train) | set(test)):
         if kind not in train or kind not in test:
-            raise ValueError(f"no {kind} rows left in the {'test' if kind in train else 'train'} split: "
-                             "use more data, a larger --test_fraction or a --test_input with such rows")
-    splits = {f"{k}_{s}": v for s, split in (("train", train), ("test", test)) for k, v in split.items()}
+            raise ValueError(
+                f"no {kind} rows left in the {'test' if kind in train else 'train'} split: "
+                "use more data, a larger --test_fraction or a --test_input with such rows"
+            )
+    splits = {
+        f"{k}_{s}": v for s, split in (("train", train), ("test", test)) for k, v in split.items()
+    }
     if not splits:
-        raise ValueError("no rows left: raise --max_query_len / --max_response_len or fix the input")
+        raise ValueError(
+            "no rows left: raise --max_query_len / --max_response_len or fix the input"
+        )
     write_dataset(a.out, meta, splits)
     if skipped:
         print("skipped " + ", ".join(f"{n} rows (--{flag})" for flag, n in skipped.items()))
@@ -221,15 +264,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz")
     p.add_argument("--out", required=True, help="directory to write, e.g. runs/data/NAME")
     p.add_argument("--tokenizer", default="bytes", help="bytes, gpt2 or a .tiktoken path")
-    p.add_argument("--pad_token_id", type=int, default=None, help="padding id (default: the stop token's)")
-    p.add_argument("--task", default=None, help="verifier task for prompt rows (default: gsm8k for gsm8k, else none)")
-    p.add_argument("--max_query_len", type=int, default=None, help="longest prompt in tokens (default: no limit)")
-    p.add_argument("--max_response_len", type=int, default=None, help="longest response in tokens incl. <|endoftext|>")
-    p.add_argument("--truncate", action="store_true", help="drop over-long rows instead of stopping")
-    p.add_argument("--drop_empty", action="store_true", help="drop rows with an empty response instead of stopping")
+    p.add_argument(
+        "--pad_token_id", type=int, default=None, help="padding id (default: the stop token's)"
+    )
+    p.add_argument(
+        "--task",
+        default=None,
+        help="verifier task for prompt rows (default: gsm8k for gsm8k, else none)",
+    )
+    p.add_argument(
+        "--max_query_len",
+        type=int,
+        default=None,
+        help="longest prompt in tokens (default: no limit)",
+    )
+    p.add_argument(
+        "--max_response_len",
+        type=int,
+        default=None,
+        help="longest response in tokens incl. <|endoftext|>",
+    )
+    p.add_argument(
+        "--truncate", action="store_true", help="drop over-long rows instead of stopping"
+    )
+    p.add_argument(
+        "--drop_empty",
+        action="store_true",
+        help="drop rows with an empty response instead of stopping",
+    )
     split = p.add_mutually_exclusive_group()
-    split.add_argument("--test_fraction", type=float, default=0.05, help="fraction of prompts held out as test")
-    split.add_argument("--test_input", nargs="+", default=None, help="separate test file(s) instead")
+    split.add_argument(
+        "--test_fraction", type=float, default=0.05, help="fraction of prompts held out as test"
+    )
+    split.add_argument(
+        "--test_input", nargs="+", default=None, help="separate test file(s) instead"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
     return p.parse_args(argv)
 
@@ -237,6 +306,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     try:
         prep(parse_args())
-    except (ValueError, OSError, RuntimeError) as e:  # bad input: one line naming the problem and the fix
+    except (ValueError, OSError, RuntimeError) as e:
+        # bad input: one line naming the problem and its fix reads better than a traceback
         print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         sys.exit(2)

@@ -1,12 +1,15 @@
-"""Tokenizers, all as tiktoken Encodings with `<|endoftext|>` as the stop token. Nothing is downloaded.
+"""Tokenizers: tiktoken Encodings with `<|endoftext|>` as the stop token. Nothing is downloaded.
 
 - `bytes`: 256 byte tokens + `<|endoftext|>` = 256, built in code: the offline default.
-- `gpt2`: the real GPT-2 BPE (50,257 tokens) from data/gpt2.tiktoken, which ships with the repository (the ranks file
-  of the MIT-licensed openai-whisper package: see data/gpt2.tiktoken.LICENSE).
-- a path to another `.tiktoken` file (base64 token, rank per line): a BPE from disk, with GPT-2's pre-tokenisation.
+- `gpt2`: the real GPT-2 BPE (50,257 tokens) from data/gpt2.tiktoken, which ships with the
+  repository (the ranks file of the MIT-licensed openai-whisper package: see
+  data/gpt2.tiktoken.LICENSE).
+- a path to another `.tiktoken` file (base64 token, rank per line): a BPE from disk, with GPT-2's
+  pre-tokenisation.
 
-A dataset's meta.json names its tokenizer portably (`portable_name`): `bytes` / `gpt2`, or a .tiktoken file by its
-path relative to the dataset directory, which `resolve_name` turns back into a path when the dataset is loaded.
+A dataset's meta.json names its tokenizer portably (`portable_name`): `bytes` / `gpt2`, or a
+.tiktoken file by its path relative to the dataset directory, which `resolve_name` turns back into a
+path when the dataset is loaded.
 """
 
 import base64
@@ -15,6 +18,8 @@ import os
 from functools import lru_cache
 
 import tiktoken
+
+from gpt2 import RunError  # a problem the user can fix: one line, no traceback
 
 EOT = "<|endoftext|>"
 NAMES = ("bytes", "gpt2")
@@ -25,13 +30,22 @@ GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\
 
 
 def _bpe(name: str, path: str) -> tiktoken.Encoding:
-    """A .tiktoken ranks file read directly (tiktoken's own loader would copy it into a cache dir first)."""
+    """A .tiktoken ranks file read directly (tiktoken's own loader would copy it into a cache dir
+    first)."""
     with open(path, "rb") as f:
         raw = f.read()
     if path == GPT2_FILE and hashlib.sha256(raw).hexdigest() != GPT2_SHA256:
-        raise ValueError(f"{path} is damaged (wrong checksum): restore it from the repository (git checkout data/)")
-    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in raw.splitlines() if line)}
-    return tiktoken.Encoding(name=name, pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)})
+        raise RunError(
+            f"{path} is damaged (wrong checksum): "
+            "restore it from the repository (git checkout data/)"
+        )
+    ranks = {
+        base64.b64decode(token): int(rank)
+        for token, rank in (line.split() for line in raw.splitlines() if line)
+    }
+    return tiktoken.Encoding(
+        name=name, pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)}
+    )
 
 
 @lru_cache(maxsize=8)
@@ -39,19 +53,22 @@ def get_encoding(name: str) -> tiktoken.Encoding:
     """`bytes`, `gpt2` or a path to a .tiktoken file."""
     if name == "bytes":
         ranks = {bytes([i]): i for i in range(256)}
-        return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 256})
+        return tiktoken.Encoding(
+            name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 256}
+        )
     if name == "gpt2":
         return _bpe("gpt2", GPT2_FILE)
     if name.endswith(".tiktoken"):
         if not os.path.isfile(name):
-            raise FileNotFoundError(f"tokenizer file '{name}' not found: pass an existing .tiktoken path")
+            raise RunError(f"tokenizer file '{name}' not found: pass an existing .tiktoken path")
         return _bpe(os.path.basename(name), name)
-    raise ValueError(f"unknown tokenizer '{name}': use bytes, gpt2 or a path to a .tiktoken file")
+    raise RunError(f"unknown tokenizer '{name}': use bytes, gpt2 or a path to a .tiktoken file")
 
 
 def portable_name(tokenizer: str, dataset_dir: str) -> str:
-    """The tokenizer as meta.json stores it: a name, or a .tiktoken file's path relative to the dataset dir (never an
-    absolute path, so the dataset can move to another machine along with its tokenizer file)."""
+    """The tokenizer as meta.json stores it: a name, or a .tiktoken file's path relative to the
+    dataset dir (never an absolute path, so the dataset can move to another machine along with its
+    tokenizer file)."""
     if tokenizer in NAMES:
         return tokenizer
     if os.path.isfile(tokenizer) and os.path.samefile(tokenizer, GPT2_FILE):

@@ -1,34 +1,38 @@
-"""Benchmark of gpt2.py against Hugging Face transformers, measured side by side in one run (a script, not a test).
+"""Benchmark of gpt2.py against Hugging Face transformers, side by side in one run (not a test).
 
-1. forward: forward+backward tokens/s of gpt2.GPT vs transformers.GPT2LMHeadModel, same config, weights and batch,
-   HF with its default attention (sdpa); fp32 and bf16 autocast (bf16 only on CUDA); `--compile` adds torch.compile.
-2. generate: batched sampling tokens/s of gpt2.generate (KV cache) vs HF `generate` on the same left-padded prompts
-   with an attention mask (temperature 1, top_k 0, no stop token: both sample exactly B x new_tokens), and whether
-   greedy fp32 outputs are identical.
-3. memory: per-rank bytes of parameters + Adam states and peak memory of ppo.py's four models (policy, value,
-   reference, reward) under FSDP2 on 1 and 2 ranks, one `torchrun` worker launch per rank count (sharded by a copy
-   of the scripts' own `shard_model`).
-4. optimizer: one AdamW step over each preset's parameters, torch's three implementations (for-loop, foreach,
-   fused) side by side: the scripts use fused on CPU and CUDA.
-4b. gemm (CPU): the model's fp32 GEMMs through MKL (torch's default) and oneDNN (gpt2.matmul's choice on AMD CPUs),
-   at a decode step's rows and at a training batch's rows: the forward, the input's and the weight's gradients, and
-   all of a decode step's GEMMs in model order against the time to read every weight once.
-4c. prompts: the two levers on the rows a step trains on, one forward + backward of the scripts' batch shapes (GRPO's
-   groups, DPO's pairs; the task's 6-token prompts): a shared prompt run once (`shared_prefix`) against every row's
-   prompt in full, and each row's last token left out of the input against kept.
-5. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s (CUDA only).
+1. forward: forward+backward tokens/s of gpt2.GPT vs transformers.GPT2LMHeadModel, same config,
+   weights and batch, HF with its default attention (sdpa); fp32 and bf16 autocast (bf16 only on
+   CUDA); `--compile` adds torch.compile.
+2. generate: batched sampling tokens/s of gpt2.generate (KV cache) vs HF `generate` on the same
+   left-padded prompts with an attention mask (temperature 1, top_k 0, no stop token: both sample
+   exactly B x new_tokens), and whether greedy fp32 outputs are identical.
+3. memory: per-rank bytes of parameters + Adam states and peak memory of ppo.py's four models
+   (policy, value, reference, reward) under FSDP2 on 1 and 2 ranks, one `torchrun` worker launch per
+   rank count (sharded by a copy of the scripts' own `shard_model`).
+4. optimizer: one AdamW step over each preset's parameters, torch's three implementations (for-loop,
+   foreach, fused) side by side: the scripts use fused on CPU and CUDA.
+4b. gemm (CPU): the model's fp32 GEMMs through MKL (torch's default) and oneDNN (gpt2.matmul's
+   choice on AMD CPUs), at a decode step's rows and at a training batch's rows: the forward, the
+   input's and the weight's gradients, and all of a decode step's GEMMs in model order against the
+   time to read every weight once.
+4c. prompts: one forward + backward of the rows a step trains on (GRPO's groups, DPO's pairs; the
+   task's 6-token prompts): each row's last token left out of the input (as the scripts do) against
+   kept, and (where gpt2.py uses oneDNN) its small-weight GEMMs on oneDNN from ONEDNN_MIN_ROWS rows
+   on against always on MKL.
+5. cuda: an sft.py-like bf16 training step of GPT-2 124M → MFU, and a GRPO-style rollout → tokens/s
+   (CUDA only).
 
-Timings are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine hits both alike; each
-ratio is the median over turns of the ratio within one turn, printed with its range over the turns (on this 2-core VM
-one turn's ratio for GPT-2 124M ranged 0.5-1.5). Weights are random (speed does not depend on them). transformers is
-a benchmark-only dependency: pip install -r requirements-test.txt.
+Timings are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine hits
+both alike; each ratio is the median over turns of the ratio within one turn, printed with its range
+over the turns. Weights are random (speed does not depend on them). transformers is a benchmark-only
+dependency: pip install -r requirements-test.txt.
 
-    python experiments/bench.py                       # everything, CPU-sized: a few minutes on 2 cores
+    python experiments/bench.py  # everything, CPU-sized: a few minutes on 2 cores
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
     python experiments/bench.py --sections memory --memory_preset gpt2-medium
-    python experiments/bench.py --sections optimizer --presets tiny --repeats 3     # a smoke run (seconds)
-    python experiments/bench.py --sections gemm --presets tiny,gpt2                  # MKL vs oneDNN on this CPU
-    python experiments/bench.py --sections prompts --presets tiny,gpt2 --repeats 15  # shared prompts, last token
+    python experiments/bench.py --sections optimizer --presets tiny --repeats 3  # seconds
+    python experiments/bench.py --sections gemm --presets tiny,gpt2  # MKL vs oneDNN on this CPU
+    python experiments/bench.py --sections prompts --presets tiny,gpt2 --repeats 15
 """
 
 import json
@@ -43,7 +47,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
@@ -53,22 +56,47 @@ sys.path.insert(0, ROOT)  # gpt2.py lives at the repository root
 import gpt2  # noqa: E402
 
 SECTIONS = ("forward", "generate", "memory", "optimizer", "gemm", "prompts", "cuda")
-TINY_VOCAB = 257  # the offline arithmetic task's byte tokenizer; the other presets keep GPT-2's 50257
+TINY_VOCAB = 257  # the offline arithmetic task's byte tokenizer; other presets keep GPT-2's 50257
+
+
+NOTES = dict(  # printed above each section's table
+    forward="forward+backward of one batch, the same cross-entropy on all logits; HF "
+    "GPT2LMHeadModel with its default attention (sdpa); no attention mask for either (no padding)",
+    generate="sampling (temperature 1, top_k 0, no stop token) from left-padded prompts with an "
+    "attention mask, tokens/s = sampled tokens; HF model.generate with its default cache and "
+    "attention",
+    memory="ppo.py's four models under FSDP2 (Adam for policy and value after one step); bytes are "
+    "this rank's local shards; peak RSS includes building the full models on every rank before "
+    "sharding (torchrun workers run with MALLOC_MMAP_THRESHOLD_=131072 unless set)",
+    optimizer="one torch.optim.AdamW step (gradients present) over all parameters of a preset",
+    gemm="fp32 GEMMs of each linear layer's shape through MKL (torch's default) and oneDNN "
+    "(gpt2.py's choice on AMD CPUs): forward x @ W, the input's gradient g @ W.T and the weight's "
+    "x.T @ g",
+    gemm_decode="a decode step's GEMMs (every block's four, each layer's own weight, in model "
+    "order) through MKL and oneDNN, against reading every one of those weights once (w.sum())",
+    prompts="one forward + backward of a step's rows (logits from the last prompt position on, as "
+    "the scripts): the last token left out (as the scripts) or kept; small-weight GEMMs on oneDNN "
+    "from ONEDNN_MIN_ROWS rows on (as gpt2.py) or always on MKL",
+    cuda="GPT-2 124M, sft.py-like bf16 training step; MFU = (6 N + 12 L C T) tokens / s / peak",
+)
 
 
 @dataclass
 class Args:
     sections: str = "forward,generate,memory,optimizer,gemm,cuda"
-    """comma-separated sections: forward, generate, memory, optimizer, gemm (CPU only), prompts, cuda (skipped without
-    a GPU)"""
+    """comma-separated sections: forward, generate, memory, optimizer, gemm (CPU only), prompts,
+    cuda (skipped without a GPU)"""
     presets: str = "tiny,gpt2"
     """comma-separated gpt2.py presets for the forward, generate and optimizer sections"""
     dtypes: str = "auto"
-    """forward section: comma-separated float32, bfloat16 (autocast); auto = both on CPU, bfloat16 on CUDA"""
+    """forward section: comma-separated float32, bfloat16 (autocast); auto = both on CPU, bfloat16
+    on CUDA"""
     fwd_shape: str = "auto"
-    """forward section: batch x sequence length; auto = 64x64 for tiny, else 2x128 on CPU and 8x1024 on CUDA"""
+    """forward section: batch x sequence length; auto = 64x64 for tiny, else 2x128 on CPU and 8x1024
+    on CUDA"""
     compile: bool = False
-    """forward section: also time torch.compile(ours) (on CPU each model and dtype compiles for ~30 s or more)"""
+    """forward section: also time torch.compile(ours) (on CPU each model and dtype compiles for ~30
+    s or more)"""
     gen_batch: int = 0
     """generate section: prompts per call; 0 = 64 for tiny, else 8 on CPU and 64 on CUDA"""
     prompt_len: int = 16
@@ -95,18 +123,20 @@ class Args:
     """also write all results to this JSON file"""
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Helpers
 
 
-# setup_distributed and shard_model: copied from the scripts' plumbing section, so the memory section measures exactly
-# the sharding they do (experiments import no top-level script)
+# setup_distributed and shard_model: copied from the scripts' plumbing section, so the memory
+# section measures exactly the sharding they do (experiments import no top-level script)
 def setup_distributed():
-    """torchrun → process group (nccl on CUDA, gloo on CPU); plain python → a single process. Returns
-    (rank, world_size, device)."""
+    """torchrun → process group (nccl on CUDA, gloo on CPU); plain python → a single process.
+    Returns (rank, world_size, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    rank, world_size, local_rank = (
+        int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    )
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -118,28 +148,41 @@ def setup_distributed():
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool):
-    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the root unit); bf16
-    params with fp32 gradient reduction when bf16. Works for a GPT or a reward/value model with a scalar head."""
+    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the
+    root unit); bf16 params with fp32 gradient reduction when bf16. Works for a GPT or a
+    reward/value model with a scalar head."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy()
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in [m for m in model.modules() if isinstance(m, gpt2.Block)]:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
+def config(preset: str, vocab_size: int | None = None) -> gpt2.GPTConfig:
+    """A preset's config; tiny gets the task's byte vocabulary, the others GPT-2's."""
+    vocab_size = vocab_size or (TINY_VOCAB if preset == "tiny" else 50257)
+    return gpt2.GPTConfig(**gpt2.PRESETS[preset], vocab_size=vocab_size)
+
+
 def parse_shape(s: str, n: int, flag: str) -> list[int]:
     dims = [int(d) for d in s.lower().split("x") if d.isdigit()]
     if len(dims) != n or len(s.split("x")) != n or min(dims) <= 0:
-        raise ValueError(f"--{flag} '{s}': expected {n} positive integers joined by 'x', e.g. {'x'.join(['8'] * n)}")
+        example = "x".join(["8"] * n)
+        raise gpt2.RunError(
+            f"--{flag} '{s}': expected {n} positive integers joined by 'x': {example}"
+        )
     return dims
 
 
 def interleaved(fns: dict, repeats: int, min_time: float, sync) -> tuple[dict, dict, dict]:
-    """Median seconds per call of each fn, timed in turns (a, b, a, b, ...) so machine load hits all alike; the
-    seconds of each first (warmup) call, which also sizes the inner loop of each timed turn; every turn's seconds."""
+    """Median seconds per call of each fn, timed in turns (a, b, a, b, ...) so machine load hits all
+    alike; the seconds of each first (warmup) call, which also sizes the inner loop of each timed
+    turn; every turn's seconds."""
     first, loops, times = {}, {}, {k: [] for k in fns}
     for k, fn in fns.items():
         t = time.perf_counter()
@@ -158,40 +201,63 @@ def interleaved(fns: dict, repeats: int, min_time: float, sync) -> tuple[dict, d
 
 
 def speedup(times: dict, fast: str, slow: str, label: str) -> dict:
-    """How many times faster `fast` ran than `slow`: the median over turns of the ratio within one turn, and its
-    range over the turns."""
+    """How many times faster `fast` ran than `slow`: the median over turns of the ratio within one
+    turn, and its range over the turns."""
     ratios = [s / f for f, s in zip(times[fast], times[slow])]
-    return {label: statistics.median(ratios), f"{label} range": f"{min(ratios):.2f}–{max(ratios):.2f}"}
+    spread = f"{min(ratios):.2f}–{max(ratios):.2f}"
+    return {label: statistics.median(ratios), f"{label} range": spread}
 
 
 def markdown(rows: list[dict]) -> str:
-    fmt = lambda v: (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)  # noqa: E731
+    def fmt(v):
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
     lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r.values()) + " |" for r in rows])
 
 
 def model_pair(preset: str, seed: int, device):
-    """Our GPT (random init) and an HF GPT2LMHeadModel of the same config holding the same weights."""
+    """Our GPT (random init) and an HF GPT2LMHeadModel of the same config holding the same
+    weights."""
     try:
         import transformers as hft
     except ImportError:
-        raise SystemExit("error: bench.py needs transformers: pip install -r requirements-test.txt") from None
+        raise gpt2.RunError(
+            "bench.py needs transformers: pip install -r requirements-test.txt"
+        ) from None
     hft.logging.set_verbosity_error()
-    cfg = gpt2.make_config(preset, vocab_size=TINY_VOCAB if preset == "tiny" else None)
+    cfg = config(preset)
     torch.manual_seed(seed)
     ours = gpt2.GPT(cfg)
-    hf = hft.GPT2LMHeadModel(hft.GPT2Config(
-        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, n_positions=cfg.block_size,
-        vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.layer_norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))  # fmt: skip
-    missing, unexpected = hf.load_state_dict(gpt2.to_hf_state_dict(ours.state_dict()), strict=False)
+    shape = dict(
+        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size
+    )
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = hft.GPT2LMHeadModel(
+        hft.GPT2Config(
+            **shape,
+            **no_dropout,
+            n_positions=cfg.block_size,
+            layer_norm_epsilon=cfg.layer_norm_epsilon,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    )
+    tensors = {k: v for k, v in ours.state_dict().items() if k != "lm_head.weight"}  # HF's names
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to wte in both
-        raise RuntimeError(f"weight mapping to HF failed: missing {missing}, unexpected {unexpected}")
-    return ours.to(device), hf.to(device), cfg, f"{hft.__version__}, attention {hf.config._attn_implementation}"
+        raise RuntimeError(
+            f"weight mapping to HF failed: missing {missing}, unexpected {unexpected}"
+        )
+    version = f"{hft.__version__}, attention {hf.config._attn_implementation}"
+    return ours.to(device), hf.to(device), cfg, version
 
 
 def left_padded_prompts(batch: int, prompt_len: int, pad: int, seed: int, device) -> torch.Tensor:
-    """(batch, prompt_len) random prompts of prompt_len // 2 .. prompt_len tokens, left-padded with pad."""
+    """(batch, prompt_len) random prompts of prompt_len // 2 .. prompt_len tokens, left-padded with
+    pad."""
     g = torch.Generator().manual_seed(seed)
     query = torch.randint(0, pad, (batch, prompt_len), generator=g)
     lengths = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (batch,), generator=g)
@@ -204,102 +270,133 @@ def show(rows: list[dict]) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Sections
+
+
+def train_step(model, idx, ctx, is_hf=False):
+    """A call: forward + backward of idx (B, T), the same cross-entropy on all logits for both."""
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            logits = model(idx).logits if is_hf else model(idx)  # (B, T, V)
+        F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
+
+    return step
 
 
 def bench_forward(args: Args, device, sync, meta) -> list[dict]:
     cuda, rows = device.type == "cuda", []
-    dtypes = (("bfloat16",) if cuda else ("float32", "bfloat16")) if args.dtypes == "auto" else args.dtypes.split(",")
+    dtypes = args.dtypes.split(",")
+    if args.dtypes == "auto":
+        dtypes = ["bfloat16"] if cuda else ["float32", "bfloat16"]
     if set(dtypes) - {"float32", "bfloat16"}:
-        raise ValueError(f"--dtypes '{args.dtypes}': use float32 and/or bfloat16")
+        raise gpt2.RunError(f"--dtypes '{args.dtypes}': use float32 and/or bfloat16")
     for preset in args.presets.split(","):
         ours, hf, cfg, meta["transformers"] = model_pair(preset, args.seed, device)
         auto = "64x64" if preset == "tiny" else "8x1024" if cuda else "2x128"
         B, T = parse_shape(auto if args.fwd_shape == "auto" else args.fwd_shape, 2, "fwd_shape")
-        idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(args.seed)).to(device)
+        g = torch.Generator().manual_seed(args.seed)
+        idx = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
         for dtype in dtypes:
-            ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-
-            def step(model, is_hf):
-                model.zero_grad(set_to_none=True)
-                with ctx:
-                    logits = model(idx).logits if is_hf else model(idx)  # (B, T, V)
-                F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()  # the same loss for both
-
-            fns = {"ours": lambda: step(ours, False), "hf": lambda: step(hf, True)}
+            ctx = nullcontext()
+            if dtype == "bfloat16":
+                ctx = torch.autocast(device.type, dtype=torch.bfloat16)
+            fns = {"ours": train_step(ours, idx, ctx), "hf": train_step(hf, idx, ctx, is_hf=True)}
             if args.compile:
-                compiled = torch.compile(ours)
-                fns["compiled"] = lambda: step(compiled, False)
+                fns["compiled"] = train_step(torch.compile(ours), idx, ctx)
             sec, first, times = interleaved(fns, args.repeats, args.min_time, sync)
-            row = {"preset": preset, "dtype": dtype, "B x T": f"{B}x{T}", "ours tok/s": B * T / sec["ours"],
-                   "HF tok/s": B * T / sec["hf"]} | speedup(times, "ours", "hf", "ours/HF")  # fmt: skip
+            row = {"preset": preset, "dtype": dtype, "B x T": f"{B}x{T}"}
+            row |= {"ours tok/s": B * T / sec["ours"], "HF tok/s": B * T / sec["hf"]}
+            row |= speedup(times, "ours", "hf", "ours/HF")
             if args.compile:
-                row |= {"compiled tok/s": B * T / sec["compiled"], "compile s": first["compiled"] - first["ours"]}
+                row["compiled tok/s"] = B * T / sec["compiled"]
+                row["compile s"] = first["compiled"] - first["ours"]
                 row |= speedup(times, "compiled", "ours", "compiled/ours")
             rows += show([row])
     return rows
 
 
+def sampler(model, query, pad, n, sample=True, ctx=None):
+    """A call: n tokens (B, n) sampled at temperature 1 (greedy if not sample) after the left-padded
+    query (B, Tq), by gpt2.generate or HF's `generate` (model is ours or HF's)."""
+
+    @torch.no_grad()
+    def run():
+        with ctx or nullcontext():
+            if isinstance(model, gpt2.GPT):
+                return gpt2.generate(model, query, pad, n, None, float(sample)).response
+            kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+            out = model.generate(
+                input_ids=query,
+                attention_mask=(query != pad).long(),
+                max_new_tokens=n,
+                pad_token_id=pad,
+                **(kw if sample else dict(do_sample=False)),
+            )
+        if out.shape[1] != query.shape[1] + n:  # both must sample exactly B x n tokens
+            raise RuntimeError(f"HF generated {out.shape[1] - query.shape[1]} tokens, not {n}")
+        return out[:, query.shape[1] :]
+
+    return run
+
+
 def bench_generate(args: Args, device, sync, meta) -> list[dict]:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    sampling_ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else None
     rows = []
     for preset in args.presets.split(","):
         ours, hf, cfg, meta["transformers"] = model_pair(preset, args.seed, device)
         ours.eval(), hf.eval()
         B = args.gen_batch or (64 if preset == "tiny" or device.type == "cuda" else 8)
-        pad, n = cfg.vocab_size - 1, args.new_tokens  # pad = the last id, as GPT-2's <|endoftext|> and the byte vocab
+        pad, n = cfg.vocab_size - 1, args.new_tokens  # pad: the last id, GPT-2's <|endoftext|>
         query = left_padded_prompts(B, args.prompt_len, pad, args.seed, device)
-        g = torch.Generator(device=device).manual_seed(args.seed)
-
-        @torch.no_grad()
-        def run(is_hf, sample=True, ctx=sampling_ctx):  # sample=False: greedy
-            with ctx:
-                if not is_hf:
-                    return gpt2.generate(ours, query, pad, n, None, temperature=float(sample), top_k=0, generator=g)
-                kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-                out = hf.generate(input_ids=query, attention_mask=(query != pad).long(), max_new_tokens=n,
-                                  pad_token_id=pad, **kw)  # fmt: skip
-            if out.shape[1] != query.shape[1] + n:  # both must sample exactly B x n tokens
-                raise RuntimeError(f"HF generated {out.shape[1] - query.shape[1]} tokens, not {n}")
-            return out[:, query.shape[1] :]
-
-        fns = {"ours": lambda: run(False), "hf": lambda: run(True)}
+        fns = {
+            "ours": sampler(ours, query, pad, n, ctx=ctx),
+            "hf": sampler(hf, query, pad, n, ctx=ctx),
+        }
         sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-        same = int((run(False, False, nullcontext()) == run(True, False, nullcontext())).all(1).sum())  # fp32 greedy
-        rows += show([{"preset": preset, "dtype": dtype, "B x (prompt+new)": f"{B}x({args.prompt_len}+{n})",
-                       "ours tok/s": B * n / sec["ours"], "HF tok/s": B * n / sec["hf"]}
-                      | speedup(times, "ours", "hf", "ours/HF")
-                      | {"greedy fp32 identical": f"{'yes' if same == B else 'NO'} ({same}/{B} rows)"}])  # fmt: skip
+        greedy = [sampler(m, query, pad, n, sample=False)() for m in (ours, hf)]  # in fp32
+        same = int((greedy[0] == greedy[1]).all(1).sum())
+        row = {"preset": preset, "dtype": dtype, "B x (prompt+new)": f"{B}x({args.prompt_len}+{n})"}
+        row |= {"ours tok/s": B * n / sec["ours"], "HF tok/s": B * n / sec["hf"]}
+        row |= speedup(times, "ours", "hf", "ours/HF")
+        row["greedy fp32 identical"] = f"{'yes' if same == B else 'NO'} ({same}/{B} rows)"
+        rows += show([row])
     return rows
 
 
 def bench_memory(args: Args, device) -> list[dict]:
-    """Launch the memory worker under torchrun once per rank count; rank 0 prints one JSON line for all ranks."""
+    """Launch the memory worker under torchrun once per rank count; rank 0 prints one JSON line for
+    all ranks."""
     rows = []
     for n in [int(r) for r in args.memory_ranks.split(",")]:
         if device.type == "cuda" and n > torch.cuda.device_count():
             print(f"skipped {n} ranks: {torch.cuda.device_count()} GPU(s)")
             continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               os.path.abspath(__file__), "--sections", "memory_worker", "--memory_preset", args.memory_preset,
-               "--seed", str(args.seed)]  # fmt: skip
-        # glibc's adaptive mmap threshold keeps freed FSDP all-gather buffers in the heap (GBs of RSS on CPU for gpt2,
-        # 5.6 vs 3.1 GB peak on 2 ranks): a fixed threshold hands them back, so RSS tracks the live tensors
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        flags = ["--memory_preset", args.memory_preset, "--seed", str(args.seed)]
+        cmd = [*torchrun, f"--nproc_per_node={n}", os.path.abspath(__file__), *flags]
+        cmd += ["--sections", "memory_worker"]
+        # glibc's adaptive mmap threshold keeps freed FSDP all-gather buffers in the heap (GBs of
+        # RSS on CPU for gpt2): a fixed threshold hands them back, so RSS tracks the live tensors
         defaults = dict(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
         env = os.environ | {k: os.environ.get(k, v) for k, v in defaults.items()}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("MEMORY_JSON ")]
         if proc.returncode or not lines:
-            raise RuntimeError(f"memory worker on {n} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            log = f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+            raise RuntimeError(f"memory worker on {n} ranks failed:\n{log}")
         ranks = json.loads(lines[0].removeprefix("MEMORY_JSON "))
-        mb = lambda key: max(r[key] for r in ranks) / 2**20  # noqa: E731  (the largest rank)
-        row = {"ranks": n, "preset": args.memory_preset, "params MB/rank": mb("params"), "Adam MB/rank": mb("adam"),
-               "params+Adam MB/rank": mb("params") + mb("adam"),
-               "+ roots left gathered MB": mb("gathered") - mb("params"),
-               "peak RSS MB/rank": mb("peak_rss")}  # fmt: skip
-        rows += show([row | ({"CUDA peak MB/rank": mb("cuda_peak")} if "cuda_peak" in ranks[0] else {})])
+        mb = {k: max(r[k] for r in ranks) / 2**20 for k in ranks[0]}  # the largest rank's
+        row = {"ranks": n, "preset": args.memory_preset, "params MB/rank": mb["params"]}
+        row |= {"Adam MB/rank": mb["adam"], "params+Adam MB/rank": mb["params"] + mb["adam"]}
+        row |= {"+ roots left gathered MB": mb["gathered"] - mb["params"]}
+        row |= {"peak RSS MB/rank": mb["peak_rss"]}
+        if "cuda_peak" in mb:
+            row["CUDA peak MB/rank"] = mb["cuda_peak"]
+        rows += show([row])
     return rows
 
 
@@ -307,127 +404,158 @@ def bench_optimizer(args: Args, device, sync) -> list[dict]:
     rows = []
     for preset in args.presets.split(","):
         torch.manual_seed(args.seed)
-        model = gpt2.GPT(gpt2.make_config(preset, vocab_size=TINY_VOCAB if preset == "tiny" else None)).to(device)
+        model = gpt2.GPT(config(preset)).to(device)
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
-        kinds = dict(for_loop=dict(foreach=False), foreach=dict(foreach=True), fused=dict(fused=True))
-        fns = {k: torch.optim.AdamW(model.parameters(), lr=1e-5, **kw).step for k, kw in kinds.items()}
+        kinds = dict(
+            for_loop=dict(foreach=False), foreach=dict(foreach=True), fused=dict(fused=True)
+        )
+        fns = {
+            k: torch.optim.AdamW(model.parameters(), lr=1e-5, **kw).step for k, kw in kinds.items()
+        }
         sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-        row = {"preset": preset, "params": f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"}
-        row |= {f"{k} ms": 1e3 * sec[k] for k in kinds} | speedup(times, "fused", "foreach", "fused/foreach")
+        n_params = sum(p.numel() for p in model.parameters())
+        row = {"preset": preset, "params": f"{n_params / 1e6:.1f}M"}
+        row |= {f"{k} ms": 1e3 * sec[k] for k in kinds}
+        row |= speedup(times, "fused", "foreach", "fused/foreach")
         rows += show([row | speedup(times, "fused", "for_loop", "fused/for-loop")])
     return rows
 
 
+def onednn(x, w):  # x @ w through oneDNN, w (in, out)
+    return torch.ops.mkldnn._linear_pointwise(x, w.t(), None, "none", [], "")
+
+
+def gemm_fns(x, w, g):
+    """The forward x @ w, the input's gradient g @ w.T and the weight's x.T @ g, MKL and oneDNN."""
+    return {
+        "fwd mkl": lambda: x @ w,
+        "fwd onednn": lambda: onednn(x, w),
+        "dx mkl": lambda: g @ w.t(),
+        "dx onednn": lambda: onednn(g, w.t()),
+        "dw mkl": lambda: x.t() @ g,
+        "dw onednn": lambda: onednn(x.t(), g),
+    }
+
+
+def decode_fns(xs, weights):
+    """A decode step's GEMMs, each layer's own weight in model order, and reading every weight."""
+    return {
+        "decode mkl": lambda: [xs[w.shape[0]] @ w for w in weights],
+        "decode onednn": lambda: [onednn(xs[w.shape[0]], w) for w in weights],
+        "read weights": lambda: [w.sum() for w in weights],
+    }
+
+
 def bench_gemm(args: Args, device, sync) -> tuple[list[dict], list[dict]]:
-    """MKL vs oneDNN for each linear layer's shape, (rows, in) @ (in, out) with the weight stored (in, out) as in
-    gpt2.py, at gen_batch rows (a decode step) and at a training batch's rows; then one decode step's GEMMs over every
-    layer's own weight (weights streamed from memory as in generation) against reading every weight once."""
-    onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w.t(), None, "none", [], "")  # noqa: E731  x @ w
+    """MKL vs oneDNN for each linear layer's shape, (rows, in) @ (in, out) with the weight stored
+    (in, out) as in gpt2.py, at gen_batch rows (a decode step) and at a training batch's rows; then
+    one decode step's GEMMs over every layer's own weight (weights streamed from memory as in
+    generation) against reading every weight once."""
     rows, decode = [], []
     for preset in args.presets.split(","):
-        cfg = gpt2.make_config(preset, vocab_size=TINY_VOCAB if preset == "tiny" else None)
+        cfg = config(preset)
         C, gen_rows = cfg.n_embd, args.gen_batch or (64 if preset == "tiny" else 8)
-        train_rows = (128 if preset == "tiny" else 8) * 22  # the GRPO benchmark's batch x (prompt + response)
+        # the GRPO benchmark's batch x (prompt + response)
+        train_rows = (128 if preset == "tiny" else 8) * 22
         torch.manual_seed(args.seed)
         for m in (gen_rows, train_rows):
             for k, n in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C), (C, cfg.vocab_size)):
-                x, w, g = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
-                fns = {"fwd mkl": lambda: x @ w, "fwd onednn": lambda: onednn(x, w),
-                       "dx mkl": lambda: g @ w.t(), "dx onednn": lambda: onednn(g, w.t()),
-                       "dw mkl": lambda: x.t() @ g, "dw onednn": lambda: onednn(x.t(), g)}  # fmt: skip
+                fns = gemm_fns(torch.randn(m, k), torch.randn(k, n), torch.randn(m, n))
                 sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-                row = {"preset": preset, "rows x in x out": f"{m}x{k}x{n}"} | {f"{f} us": 1e6 * t for f, t in sec.items()}
+                row = {"preset": preset, "rows x in x out": f"{m}x{k}x{n}"}
+                row |= {f"{f} us": 1e6 * t for f, t in sec.items()}
                 for part in ("fwd", "dx", "dw"):
                     row |= speedup(times, f"{part} onednn", f"{part} mkl", f"{part} mkl/onednn")
                 rows += show([row])
-        weights = [torch.randn(k, n) for k, n in [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * cfg.n_layer]
+        shapes = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * cfg.n_layer
+        weights = [torch.randn(k, n) for k, n in shapes]
         xs = {k: torch.randn(gen_rows, k) for k in (C, 4 * C)}
-        fns = {"decode mkl": lambda: [xs[w.shape[0]] @ w for w in weights],
-               "decode onednn": lambda: [onednn(xs[w.shape[0]], w) for w in weights],
-               "read weights": lambda: [w.sum() for w in weights]}  # fmt: skip
-        sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-        row = {"preset": preset, "rows": gen_rows, "GEMMs": len(weights)} | {f"{f} ms": 1e3 * t for f, t in sec.items()}
+        sec, _, times = interleaved(decode_fns(xs, weights), args.repeats, args.min_time, sync)
+        row = {"preset": preset, "rows": gen_rows, "GEMMs": len(weights)}
+        row |= {f"{f} ms": 1e3 * t for f, t in sec.items()}
         decode += show([row | speedup(times, "decode onednn", "decode mkl", "mkl/onednn")])
     return rows, decode
 
 
-class ScoredGPT(gpt2.GPT):
-    """GPT-2 with a scalar head, the shape of ppo.py's value and reward models: (B, T) ids -> (B, T) scalars."""
+def train_rows(model, ids, keep_from, min_rows=gpt2.ONEDNN_MIN_ROWS):
+    """A call: forward + backward of the rows ids (B, T), logits from keep_from on, as the
+    scripts' training forwards, with gpt2.matmul's oneDNN threshold at min_rows."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.score = nn.Linear(cfg.n_embd, 1)
+    def step():
+        gpt2.ONEDNN_MIN_ROWS = min_rows
+        logits = model(ids, attention_mask=torch.ones_like(ids), keep_from=keep_from)
+        logits.float().log_softmax(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
 
-    def forward(self, idx):
-        return self.score(super().forward(idx, return_hidden=True)).squeeze(-1)
+    return step
 
 
 def bench_prompts(args: Args, device, sync) -> list[dict]:
-    """Forward + backward of a step's rows (GRPO: prompts x samples, DPO: pairs x 2; 6-token prompts) with the prompt
-    shared or not, with each row's last token left out of the input (as the scripts do) or kept, and (where gpt2.py
-    uses oneDNN) with its small-weight GEMMs on oneDNN from ONEDNN_MIN_ROWS rows on (as it does) or always on MKL."""
-    rows, min_rows_default = [], gpt2.ONEDNN_MIN_ROWS
-    shapes = {"tiny": dict(dpo=(64, 2, 4), grpo=(16, 8, 16)), "gpt2": dict(dpo=(4, 2, 4), grpo=(2, 4, 16))}
+    """Forward + backward of a step's rows (GRPO: prompts x samples, DPO: pairs x 2; 6-token
+    prompts) with each row's last token left out of the input (as the scripts do) or kept, and
+    (where gpt2.py uses oneDNN) with its small-weight GEMMs on oneDNN from ONEDNN_MIN_ROWS rows on
+    (as it does) or always on MKL."""
+    rows, min_rows_default, Tq = [], gpt2.ONEDNN_MIN_ROWS, 6
+    shapes = dict(
+        tiny=dict(dpo=(64, 2, 4), grpo=(16, 8, 16)), gpt2=dict(dpo=(4, 2, 4), grpo=(2, 4, 16))
+    )
     for preset in args.presets.split(","):
         torch.manual_seed(args.seed)
         # the task's 257-token vocabulary at every preset, as peer_bench.py's GPT-2 124M shape
-        model = gpt2.GPT(gpt2.make_config(preset, vocab_size=TINY_VOCAB)).to(device).train()
+        model = gpt2.GPT(config(preset, TINY_VOCAB)).to(device).train()
         for algo, (P, G, Tr) in shapes.get(preset, shapes["gpt2"]).items():
-            Tq = 6
-            q = torch.randint(0, 256, (P, Tq), device=device).repeat_interleave(G, 0)
-            ids = torch.cat([q, torch.randint(0, 256, (P * G, Tr), device=device)], 1)
-
-            def step(n, drop_last, min_rows=min_rows_default):
-                gpt2.ONEDNN_MIN_ROWS, x = min_rows, ids[:, :-1] if drop_last else ids
-                logits = model(x, attention_mask=torch.ones_like(x), keep_from=Tq - 1, shared_prefix=n)
-                logits.float().log_softmax(-1).mean().backward()
-                model.zero_grad(set_to_none=True)
-
-            fns = dict(shared=lambda: step(Tq - 1, True), unshared=lambda: step(0, True),
-                       last_kept=lambda: step(Tq - 1, False))  # fmt: skip
+            query = torch.randint(0, 256, (P, Tq), device=device).repeat_interleave(G, 0)
+            ids = torch.cat([query, torch.randint(0, 256, (P * G, Tr), device=device)], 1)
+            fns = {
+                "last_out": train_rows(model, ids[:, :-1], Tq - 1),
+                "last_kept": train_rows(model, ids, Tq - 1),
+            }
             if gpt2.ONEDNN:
-                fns["small_mkl"] = lambda: step(Tq - 1, True, min_rows=1 << 62)
+                fns["small_mkl"] = train_rows(model, ids[:, :-1], Tq - 1, min_rows=1 << 62)
             sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
             row = {"preset": preset, "rows": f"{algo}: {P} x {G} rows, {Tq} + {Tr} tokens"}
             row |= {f"{k} ms": 1e3 * v for k, v in sec.items()}
-            row |= speedup(times, "shared", "unshared", "shared/unshared")
-            row |= speedup(times, "shared", "last_kept", "last token out/kept")
-            row |= speedup(times, "shared", "small_mkl", "small GEMMs onednn/mkl") if gpt2.ONEDNN else {}
+            row |= speedup(times, "last_out", "last_kept", "last token out/kept")
+            if gpt2.ONEDNN:
+                row |= speedup(times, "last_out", "small_mkl", "small GEMMs onednn/mkl")
             rows += show([row])
     gpt2.ONEDNN_MIN_ROWS = min_rows_default
     return rows
 
 
 def memory_worker(args: Args):
-    """One rank: the four models built and sharded as the scripts do (full init on every rank, then FSDP2), a no-grad
-    forward of reference and reward, one Adam step of policy and value; then this rank's bytes."""
+    """One rank: the four models built and sharded as the scripts do (full init on every rank, then
+    FSDP2), a no-grad forward of reference and reward, one Adam step of policy and value; then this
+    rank's bytes."""
     from torch.distributed.fsdp import FSDPModule
 
     rank, world_size, device = setup_distributed()
-    cfg = gpt2.make_config(args.memory_preset, vocab_size=TINY_VOCAB if args.memory_preset == "tiny" else None)
+    cfg = config(args.memory_preset)
     torch.manual_seed(args.seed)
-    models = policy, value, ref, reward = gpt2.GPT(cfg), ScoredGPT(cfg), gpt2.GPT(cfg), ScoredGPT(cfg)
+    scalar = lambda: gpt2.ScalarModel(gpt2.GPT(cfg))  # the value and reward models
+    models = policy, value, ref, reward = gpt2.GPT(cfg), scalar(), gpt2.GPT(cfg), scalar()
     for model in models:
         shard_model(model.to(device), device, bf16=device.type == "cuda")
     ref.requires_grad_(False), reward.requires_grad_(False)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-6, fused=True) for m in (policy, value)]
     idx = torch.randint(0, cfg.vocab_size, (2, 32), device=device)
     with torch.no_grad():
-        ref(idx), reward(idx)
-    (policy(idx).float().logsumexp(-1).mean() + value(idx).float().mean()).backward()
+        ref(idx), reward(idx, None)
+    (policy(idx).float().logsumexp(-1).mean() + value(idx, None).mean()).backward()
     for opt in optimizers:
         opt.step()
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (a DTensor's shard on this rank)
-    nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)  # noqa: E731
-    # FSDP2 keeps a root unit (wte, wpe, ln_f, score) gathered after a forward that has no backward (reference,
-    # reward): measure the parameters as left, then at rest, after resharding every unit
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard here
+    nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)
+    # FSDP2 keeps a root unit (wte, wpe, ln_f, score) gathered after a forward that has no backward
+    # (reference, reward): measure the parameters as left, then at rest, after resharding every unit
     stats = dict(gathered=nbytes(p for m in models for p in m.parameters()))
     for unit in [u for m in models for u in m.modules() if isinstance(u, FSDPModule)]:
         unit.reshard()
-    stats |= dict(params=nbytes(p for m in models for p in m.parameters()),
-                  adam=nbytes(t for o in optimizers for s in o.state.values() for t in s.values() if t.dim() > 0),
-                  peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB  # fmt: skip
+    stats["params"] = nbytes(p for m in models for p in m.parameters())
+    states = [s for o in optimizers for s in o.state.values()]
+    stats["adam"] = nbytes(t for s in states for t in s.values() if t.dim() > 0)
+    stats["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     if device.type == "cuda":
         stats["cuda_peak"] = torch.cuda.max_memory_allocated(device)
     gathered = [None] * world_size
@@ -438,11 +566,12 @@ def memory_worker(args: Args):
 
 
 def bench_cuda(args: Args, device, sync) -> list[dict]:
-    """GPT-2 124M: an sft.py-like bf16 training step (autocast, AdamW, clipping) → MFU; a rollout → tokens/s."""
+    """GPT-2 124M: an sft.py-like bf16 training step (autocast, AdamW, clipping) → MFU; a rollout →
+    tokens/s."""
     B, T = parse_shape(args.mfu_shape, 2, "mfu_shape")
     Bq, Tq, n = parse_shape(args.rollout_shape, 3, "rollout_shape")
     torch.manual_seed(args.seed)
-    model = gpt2.GPT(gpt2.make_config("gpt2")).to(device)
+    model = gpt2.GPT(config("gpt2")).to(device)
     cfg, ctx = model.config, torch.autocast(device.type, dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     forward_model = torch.compile(model) if args.compile else model
@@ -458,11 +587,12 @@ def bench_cuda(args: Args, device, sync) -> list[dict]:
 
     train_step()  # a second warmup: the first allocates the optimizer state (and compiles)
     sec = interleaved({"train": train_step}, args.repeats, args.min_time, sync)[0]["train"]
-    # nanoGPT's estimate (PaLM appendix B): 6 N per token for the matmuls (N without wpe; wte counts as lm_head)
-    # + 12 L C T for attention scores and mixing
+    # nanoGPT's estimate (PaLM appendix B): 6 N per token for the matmuls (N without wpe; wte counts
+    # as lm_head) + 12 L C T for attention scores and mixing
     n_params = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
     flops = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T) * B * T
-    query, pad = left_padded_prompts(Bq, Tq, cfg.vocab_size - 1, args.seed, device), cfg.vocab_size - 1
+    pad = cfg.vocab_size - 1
+    query = left_padded_prompts(Bq, Tq, pad, args.seed, device)
     model.eval()
 
     def rollout():
@@ -470,45 +600,31 @@ def bench_cuda(args: Args, device, sync) -> list[dict]:
             gpt2.generate(model, query, pad, n, None, temperature=1.0)
 
     gen_sec = interleaved({"rollout": rollout}, args.repeats, args.min_time, sync)[0]["rollout"]
-    return show([{"train B x T": f"{B}x{T}", "compiled": args.compile, "step ms": sec * 1e3, "train tok/s": B * T / sec,
-                  "MFU": f"{flops / sec / args.peak_flops:.1%} of {args.peak_flops:.3g}",
-                  "rollout B x (prompt+new)": f"{Bq}x({Tq}+{n})", "rollout tok/s": Bq * n / gen_sec}])  # fmt: skip
+    row = {"train B x T": f"{B}x{T}", "compiled": args.compile, "step ms": sec * 1e3}
+    row["train tok/s"] = B * T / sec
+    row["MFU"] = f"{flops / sec / args.peak_flops:.1%} of {args.peak_flops:.3g}"
+    row["rollout B x (prompt+new)"] = f"{Bq}x({Tq}+{n})"
+    return show([row | {"rollout tok/s": Bq * n / gen_sec}])
 
 
 def main(args: Args):
     if args.sections == "memory_worker":  # internal: what bench_memory launches under torchrun
         memory_worker(args)
         sys.stdout.flush()
-        os._exit(0)  # skip the interpreter's teardown, which can abort on gloo's threads (see run() in sft.py)
+        os._exit(0)  # skip the interpreter's teardown, which can abort on gloo's threads
     sections = args.sections.split(",")
     if set(sections) - set(SECTIONS):
         unknown = sorted(set(sections) - set(SECTIONS))
-        raise ValueError(f"--sections: unknown {unknown}: use some of {','.join(SECTIONS)}")
+        raise gpt2.RunError(f"--sections: unknown {unknown}: use some of {','.join(SECTIONS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    name = f"cpu, {torch.get_num_threads()} threads"
+    name = torch.cuda.get_device_name() if device.type == "cuda" else name
     meta = dict(device=name, torch=torch.__version__, args=asdict(args))
     print(f"device: {meta['device']} | torch {torch.__version__}", flush=True)
     results = {"meta": meta}
-    notes = dict(
-        forward="forward+backward of one batch, the same cross-entropy on all logits; HF GPT2LMHeadModel with its "
-        "default attention (sdpa); no attention mask for either (no padding)",
-        generate="sampling (temperature 1, top_k 0, no stop token) from left-padded prompts with an attention mask, "
-        "tokens/s = sampled tokens; HF model.generate with its default cache and attention",
-        memory="ppo.py's four models under FSDP2 (Adam for policy and value after one step); bytes are this rank's "
-        "local shards; peak RSS includes building the full models on every rank before sharding (torchrun workers "
-        "run with MALLOC_MMAP_THRESHOLD_=131072 unless set)",
-        optimizer="one torch.optim.AdamW step (gradients present) over all parameters of a preset",
-        gemm="fp32 GEMMs of each linear layer's shape through MKL (torch's default) and oneDNN (gpt2.py's choice on AMD "
-        "CPUs): forward x @ W, the input's gradient g @ W.T and the weight's x.T @ g",
-        gemm_decode="a decode step's GEMMs (every block's four, each layer's own weight, in model order) through MKL and "
-        "oneDNN, against reading every one of those weights once (w.sum())",
-        prompts="one forward + backward of a step's rows (logits from the last prompt position on, as the scripts): "
-        "the prompt shared by its rows (shared_prefix) or run in full per row, the last token left out or kept",
-        cuda="GPT-2 124M, sft.py-like bf16 training step; MFU = (6 N + 12 L C T) tokens / s / peak",
-    )
     for section in sections:
-        print(f"\n## {section}\n\n{notes[section]}\n", flush=True)
+        print(f"\n## {section}\n\n{NOTES[section]}\n", flush=True)
         if section == "forward":
             results[section] = bench_forward(args, device, sync, meta)
         elif section == "generate":
@@ -518,17 +634,21 @@ def main(args: Args):
         elif section == "optimizer":
             results[section] = bench_optimizer(args, device, sync)
         elif section == "gemm":
-            results[section], results["gemm_decode"] = bench_gemm(args, device, sync) if torch.backends.mkldnn.is_available() else ([], [])
+            gemm = torch.backends.mkldnn.is_available()
+            results[section], results["gemm_decode"] = (
+                bench_gemm(args, device, sync) if gemm else ([], [])
+            )
         elif section == "prompts":
             results[section] = bench_prompts(args, device, sync)
         elif device.type == "cuda":
             results[section] = bench_cuda(args, device, sync)
         else:
             print("skipped: no CUDA device")
-    print(f"\n# summary ({meta['device']}, torch {meta['torch']}, transformers {meta.get('transformers', '-')})")
+    versions = f"torch {meta['torch']}, transformers {meta.get('transformers', '-')}"
+    print(f"\n# summary ({meta['device']}, {versions})")
     for section, rows in results.items():
         if section != "meta" and rows:
-            print(f"\n## {section}\n\n{notes[section]}\n\n{markdown(rows)}")
+            print(f"\n## {section}\n\n{NOTES[section]}\n\n{markdown(rows)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
@@ -536,8 +656,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    try:
-        main(args)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    main(tyro.cli(Args))

@@ -1,16 +1,20 @@
-"""Where a training step's time goes: torch.profiler over a window of optimizer steps of any training script.
+"""Where a training step's time goes: torch.profiler over a window of optimizer steps of any
+training script.
 
-Runs SCRIPT with its own arguments in this process, profiles from the end of optimizer step START to the end of step
-STOP (start-up, model loading and the first steps excluded), prints the wall time per step and the profiler's table
-of ops by self CPU time, then exits without finishing the run (no final evaluation or save). It hooks torch's global
-optimizer-step hook, so it works for this project's scripts and for any torch trainer (TRL's included: that is how
-docs/benchmarks.md's profiles of both sides were taken).
+Runs SCRIPT with its own arguments in this process, profiles from the end of optimizer step START to
+the end of step STOP (start-up, model loading and the first steps excluded), prints the wall time
+per step and the profiler's table of ops by self CPU time, then exits without finishing the run (no
+final evaluation or save). It hooks torch's global optimizer-step hook, so it works for this
+project's scripts and for any torch trainer (TRL's included: that is how docs/benchmarks.md's
+profiles of both sides were taken).
 
-    python experiments/profile_step.py --start 6 --stop 14 -- sft.py --model DIR --total_steps 30 --out_dir /tmp/p
-    python experiments/profile_step.py --rows 40 --out grpo.txt -- grpo.py --model DIR --beta 0 --out_dir /tmp/p
+    python experiments/profile_step.py --start 6 --stop 14 -- sft.py --model DIR --total_steps 30 \\
+        --out_dir /tmp/p
+    python experiments/profile_step.py --rows 40 --out grpo.txt -- grpo.py --model DIR --beta 0 \\
+        --out_dir /tmp/p
 
-The profiler itself adds overhead (more for code that launches many small ops), so compare its tables, not its times,
-with a benchmark's.
+The profiler itself adds overhead (more for code that launches many small ops), so compare its
+tables, not its times, with a benchmark's.
 """
 
 import argparse
@@ -26,7 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--start", type=int, default=5, help="profile from the end of this optimizer step")
+    p.add_argument(
+        "--start", type=int, default=5, help="profile from the end of this optimizer step"
+    )
     p.add_argument("--stop", type=int, default=13, help="... to the end of this one, then exit")
     p.add_argument("--rows", type=int, default=25, help="rows of the table")
     p.add_argument("--out", default=None, help="also write the table to this file")
@@ -48,8 +54,12 @@ def main():
                 torch.cuda.synchronize()
             per_step = (time.perf_counter() - state["t0"]) / (a.stop - a.start)
             state["prof"].__exit__(None, None, None)
-            table = state["prof"].key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows)
-            text = f"{' '.join(script)}\nsteps {a.start}-{a.stop}: {per_step * 1e3:.1f} ms per step under the profiler\n{table}"
+            ops = state["prof"].key_averages()
+            table = ops.table(sort_by="self_cpu_time_total", row_limit=a.rows)
+            timing = (
+                f"steps {a.start}-{a.stop}: {per_step * 1e3:.1f} ms per step under the profiler"
+            )
+            text = f"{' '.join(script)}\n{timing}\n{table}"
             print(text, flush=True)
             if a.out:
                 with open(a.out, "w") as f:

@@ -1,5 +1,5 @@
-"""AdamTF against TensorFlow's numbers, against its own formula, against torch.optim.Adam, and under FSDP2; and a cheap
-run of experiments/adam_difference.py, the study built on it."""
+"""AdamTF against TensorFlow's numbers, against its own formula, against torch.optim.Adam, and under
+FSDP2; and a cheap run of experiments/adam_difference.py, the study built on it."""
 
 import json
 import math
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,28 +33,30 @@ def _run(opt_cls, steps, **kw):
 
 
 def test_formula_reproduces_tensorflow_with_tf_float32_bookkeeping():
-    # TF1 turns the Python-float lr/betas/eps into float32 tensors and keeps beta1^t, beta2^t in float32 variables,
-    # casting them to float64 for a float64 variable. With that bookkeeping the formula matches TF to 7 digits.
+    # TF1 turns the Python-float lr/betas/eps into float32 tensors and keeps beta1^t, beta2^t in
+    # float32 variables, casting them to float64 for a float64 variable. With that bookkeeping the
+    # formula matches TF to 7 digits.
     f32 = np.float32
     lr, beta1, beta2, eps = f32(1e-5), f32(0.9), f32(0.999), f32(1e-5)
     x, m, v = (torch.zeros(5, dtype=torch.float64) for _ in range(3))
     beta1_power, beta2_power = beta1, beta2
     for t in range(1, 4):
         g = torch.tensor(G, dtype=torch.float64)
-        powers, hparams = (float(beta1_power), float(beta2_power)), (float(lr), float(beta1), float(beta2), float(eps))
+        powers = float(beta1_power), float(beta2_power)
+        hparams = float(lr), float(beta1), float(beta2), float(eps)
         adam_tf_step(x, g, m, v, *powers, *hparams)
-        beta1_power, beta2_power = beta1_power * beta1, beta2_power * beta2  # float32 products, as in TF
+        # float32 products, as in TF
+        beta1_power, beta2_power = beta1_power * beta1, beta2_power * beta2
         if t in (1, 3):
             ref = torch.tensor(TF_STEP1 if t == 1 else TF_STEP3, dtype=torch.float64)
             torch.testing.assert_close(x, ref, rtol=1e-6, atol=0)
 
 
 def test_optimizer_matches_tensorflow_up_to_float32_hyperparameters():
-    # AdamTF keeps hyperparameters in float64, so it differs from TF's float32 bookkeeping by ~1e-5 relative.
-    torch.testing.assert_close(_run(AdamTF, 1, lr=1e-5, eps=1e-5), torch.tensor(TF_STEP1, dtype=torch.float64),
-                               rtol=2e-5, atol=0)
-    torch.testing.assert_close(_run(AdamTF, 3, lr=1e-5, eps=1e-5), torch.tensor(TF_STEP3, dtype=torch.float64),
-                               rtol=2e-5, atol=0)
+    # AdamTF keeps hyperparameters in float64: ~1e-5 relative from TF's float32 bookkeeping
+    for steps, tf in ((1, TF_STEP1), (3, TF_STEP3)):
+        x = _run(AdamTF, steps, lr=1e-5, eps=1e-5)
+        torch.testing.assert_close(x, torch.tensor(tf, dtype=torch.float64), rtol=2e-5, atol=0)
 
 
 def test_torch_adam_first_step_is_larger_and_equals_tf_with_rescaled_eps():
@@ -61,7 +64,8 @@ def test_torch_adam_first_step_is_larger_and_equals_tf_with_rescaled_eps():
     x_pt = _run(torch.optim.Adam, 1, lr=1e-5, eps=1e-5)
     ratio = x_pt.abs() / x_tf.abs()  # measured: [1.003, 1.0015, 1.001, 28.8, 3.78]
     assert (ratio > 1).all(), ratio  # PyTorch's first update is larger on every coordinate ...
-    assert ratio[3] > 20 and ratio[4] > 3 and (ratio[:3] < 1.01).all(), ratio  # ... by far where |g| << eps
+    # ... by far where |g| << eps
+    assert ratio[3] > 20 and ratio[4] > 3 and (ratio[:3] < 1.01).all(), ratio
     # The docstring's identity: TF's Adam is PyTorch's with eps / sqrt(1 - beta2^t) (here t = 1).
     x_pt_rescaled = _run(torch.optim.Adam, 1, lr=1e-5, eps=1e-5 / math.sqrt(1 - 0.999))
     torch.testing.assert_close(x_pt_rescaled, x_tf, rtol=1e-12, atol=0)
@@ -71,7 +75,8 @@ def test_equals_python_loop_over_10_random_steps():
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(3, 4, dtype=torch.float64, generator=gen).requires_grad_()
     b = torch.randn(5, dtype=torch.float64, generator=gen).requires_grad_()
-    frozen = torch.randn(2, dtype=torch.float64, generator=gen).requires_grad_()  # grad stays None: untouched
+    # its grad stays None: untouched
+    frozen = torch.randn(2, dtype=torch.float64, generator=gen).requires_grad_()
     lr, beta1, beta2, eps = 1e-2, 0.8, 0.99, 1e-6  # non-default so swapped arguments would show
     opt = AdamTF([a, b, frozen], lr=lr, betas=(beta1, beta2), eps=eps)
     xs = a.detach().flatten().tolist() + b.detach().tolist()
@@ -79,7 +84,8 @@ def test_equals_python_loop_over_10_random_steps():
     frozen_before = frozen.detach().clone()
     for t in range(1, 11):
         a.grad = torch.randn(3, 4, dtype=torch.float64, generator=gen)
-        b.grad = torch.randn(5, dtype=torch.float64, generator=gen) * 1e-4  # small gradients, where eps matters
+        # small gradients, where eps matters
+        b.grad = torch.randn(5, dtype=torch.float64, generator=gen) * 1e-4
         opt.step()
         gs = a.grad.flatten().tolist() + b.grad.tolist()
         lr_t = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
@@ -103,9 +109,11 @@ def test_dtypes_state_precision(dtype):
     p.grad = g.clone()
     opt.step()
     state_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-    assert p.dtype == dtype and opt.state[p]["m"].dtype == state_dtype and opt.state[p]["v"].dtype == state_dtype
-    # Reference: the same step in fp32 (fp64 for fp64), rounded into the param dtype once at the end.
-    ref, m, v = p0.to(state_dtype, copy=True), torch.zeros(64, dtype=state_dtype), torch.zeros(64, dtype=state_dtype)
+    assert p.dtype == dtype
+    assert opt.state[p]["m"].dtype == opt.state[p]["v"].dtype == state_dtype
+    # Reference: the same step in fp32 (fp64 for fp64), rounded into the param dtype once at the end
+    ref = p0.to(state_dtype, copy=True)
+    m, v = torch.zeros(64, dtype=state_dtype), torch.zeros(64, dtype=state_dtype)
     adam_tf_step(ref, g.to(state_dtype), m, v, 0.9, 0.999, 1e-2, 0.9, 0.999, 1e-8)
     assert torch.equal(p.detach(), ref.to(dtype))
     assert not torch.equal(p.detach(), p0)
@@ -122,26 +130,31 @@ def test_bad_hyperparameters_raise():
 
 
 def test_adam_difference_experiment_goes_from_1x_to_large(tmp_path):
-    # The study's two ends on a random tiny model (8 rollouts, one seed): eps far below every |g| makes both optimizers
-    # take ~lr * sign(g) steps (ratio ~1); eps far above them makes both linear in g, TF's 31.6x more damped, so the
-    # parameter steps differ by ~31.6x (never more: 1 / sqrt(1 - beta2) is the bound) and approxkl by far more.
+    # The study's two ends on a random tiny model (8 rollouts, one seed): eps far below every |g|
+    # makes both optimizers take ~lr * sign(g) steps (ratio ~1); eps far above them makes both
+    # linear in g, TF's 31.6x more damped, so the parameter steps differ by ~31.6x (never more: 1 /
+    # sqrt(1 - beta2) is the bound) and approxkl by far more.
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "experiments" / "adam_difference.py"), "--model", "random:tiny", "--reward",
-           "random", "--seeds", "1", "--batch_size", "8", "--eps", "1e-9", "1e-1", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    flags = "--model random:tiny --reward random --seeds 1 --batch_size 8 --eps 1e-9 1e-1"
+    cmd = [sys.executable, str(ROOT / "experiments" / "adam_difference.py"), *flags.split()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "approxkl torch/TF" in proc.stdout
     (seed,) = json.loads(out.read_text())["seeds"]
     low, high = seed["sweep"]
     assert 0 < seed["grad"]["p10"] < seed["grad"]["median"] < seed["grad"]["p90"]
-    assert low["approxkl_torch"] > 0 and abs(low["approxkl_torch"] / low["approxkl_tf"] - 1) < 0.05, low
+    assert low["approxkl_torch"] > 0, low
+    assert abs(low["approxkl_torch"] / low["approxkl_tf"] - 1) < 0.05, low
     assert high["approxkl_torch"] / high["approxkl_tf"] > 100, high
     assert 20 < high["dtheta_torch"] / high["dtheta_tf"] <= 1 / math.sqrt(1 - 0.999) + 1e-9, high
 
 
 def _tiny_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
 
 
 def _train(model, steps=3):
@@ -155,7 +168,7 @@ def _train(model, steps=3):
 
 
 def _fsdp_worker(out_path):
-    """Run under torchrun: the same tiny model, FSDP2-sharded over 2 CPU ranks (same batch on every rank)."""
+    """Under torchrun: the same tiny model, FSDP2-sharded over 2 CPU ranks (same batch on each)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -179,7 +192,8 @@ def _fsdp_worker(out_path):
 
 def test_fsdp2_two_ranks_match_single_process(tmp_path):
     out = tmp_path / "fsdp.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc_per_node=2", __file__, str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -195,4 +209,4 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path):
 if __name__ == "__main__":
     _fsdp_worker(sys.argv[1])
     sys.stdout.flush()
-    os._exit(0)  # skip the interpreter's teardown, which can abort on gloo's threads (see run() in sft.py)
+    os._exit(0)  # skip the interpreter's teardown, which can abort on gloo's threads

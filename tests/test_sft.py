@@ -1,6 +1,7 @@
 """sft.py end to end: a tiny run learns, 1 rank == 2 ranks (FSDP2, gloo), resume == uninterrupted, SIGTERM saves a
 checkpoint, bad flags give one-line errors."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -14,12 +15,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-SMALL = ["--batch_size", "16", "--micro_batch_size", "4", "--eval_size", "32", "--warmup_steps", "5", "--log_every", "1"]
+SMALL = [
+    "--batch_size",
+    "16",
+    "--micro_batch_size",
+    "4",
+    "--eval_size",
+    "32",
+    "--warmup_steps",
+    "5",
+    "--log_every",
+    "1",
+]
 
 
 def run(args, nproc=0, check=True):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
-    p = subprocess.run(launcher + ["sft.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else [sys.executable]
+    )
+    p = subprocess.run(
+        launcher + ["sft.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
     if check:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p
@@ -79,16 +97,32 @@ def test_sigterm_saves_checkpoint_then_resume_finishes(tmp_path):
     p = subprocess.Popen([sys.executable, "sft.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 120
-    while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 5):
+    while time.time() < deadline and not (
+        (tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 5
+    ):
         time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 1 and "SIGTERM: saved a checkpoint" in err and "--resume --out_dir" in err, err[-1000:]
+    assert p.returncode == 1 and "SIGTERM: saved step" in err and "--resume --out_dir" in err, err[
+        -1000:
+    ]
     assert not (tmp_path / "model.safetensors").exists()  # an unfinished run has no final model
     steps = sorted(os.listdir(tmp_path / "checkpoints"))
     assert steps and steps[-1].startswith("step_")
     stopped_at = int(steps[-1].split("_")[1])
-    run(["--out_dir", str(tmp_path), "--resume", *args[:2], "--total_steps", str(stopped_at + 3), "--eval_every", "100000", *SMALL])
+    run(
+        [
+            "--out_dir",
+            str(tmp_path),
+            "--resume",
+            *args[:2],
+            "--total_steps",
+            str(stopped_at + 3),
+            "--eval_every",
+            "100000",
+            *SMALL,
+        ]
+    )
     assert metrics(tmp_path)[-1]["step"] == stopped_at + 3
 
 
@@ -100,13 +134,19 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     p = subprocess.Popen([sys.executable, "sft.py", "--out_dir", str(out), *common], cwd=ROOT, env=ENV,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 120
-    while time.time() < deadline and p.poll() is None and not (out / "checkpoints" / "step_00000008").exists():
+    while (
+        time.time() < deadline
+        and p.poll() is None
+        and not (out / "checkpoints" / "step_00000008").exists()
+    ):
         time.sleep(0.05)
     p.kill()
     assert p.wait() == -signal.SIGKILL  # still running when killed: the kill came mid-way
     run(["--out_dir", str(out), "--resume", *common])
     full = {m["step"]: m for m in metrics(tmp_path / "full")}
-    resumed = {m["step"]: m for m in metrics(out)}  # last row per step (steps after the checkpoint are logged twice)
+    resumed = {
+        m["step"]: m for m in metrics(out)
+    }  # last row per step (steps after the checkpoint are logged twice)
     assert resumed.keys() == full.keys()
     for step, m in full.items():
         assert abs(resumed[step]["train/loss"] - m["train/loss"]) < 1e-5, (step, resumed[step], m)
@@ -115,8 +155,12 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "1", *SMALL]
     run(["--total_steps", "2", *common])
-    p = run(["--total_steps", "6", "--resume", "--lr", "1e12", *common], check=False)  # diverges right away
-    assert p.returncode != 0 and "non-finite loss" in p.stderr and "at step 4" in p.stderr, p.stderr  # steps 3 ok, 4 diverged
+    p = run(
+        ["--total_steps", "6", "--resume", "--lr", "1e12", *common], check=False
+    )  # diverges right away
+    assert p.returncode != 0 and "non-finite loss" in p.stderr and "at step 4" in p.stderr, (
+        p.stderr
+    )  # steps 3 ok, 4 diverged
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
 
 
@@ -126,22 +170,27 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
         (["--batch_size", "10", "--micro_batch_size", "4"], "micro_batch_size"),
         (["--data", "/nonexistent/dir"], "no dataset at"),
         (["--model", "gpt3"], "no checkpoint at"),
-        (["--resume"], "no checkpoint in"),
-        (["--resume", "--out_dir", ""], "--resume needs the run to continue"),
-        (["--micro_batch_size", "0"], "divisible"),
+        (["--resume"], "no complete checkpoint in"),
+        (["--resume", "--out_dir", ""], "--resume needs --out_dir"),
+        (["--model", "runs/nonexistent"], "no checkpoint at"),
+        (["--micro_batch_size", "0"], "does not divide by 0"),
     ],
 )
 def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
     p = run(["--total_steps", "2", "--out_dir", str(tmp_path / "x"), *flags], check=False)
     assert p.returncode != 0
-    assert expected in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert (
+        expected in p.stderr
+        and "Traceback" not in p.stderr
+        and len(p.stderr.strip().splitlines()) == 1
+    ), p.stderr
 
 
 def test_unwritable_out_dir(tmp_path):
     (tmp_path / "file").write_text("")  # a directory cannot be made under a file, even as root
     p = run(["--out_dir", str(tmp_path / "file" / "run"), "--total_steps", "2"], check=False)
     assert p.returncode != 0
-    assert "cannot write to" in p.stderr and "writable --out_dir" in p.stderr
+    assert "cannot write to" in p.stderr and "another --out_dir" in p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
@@ -152,8 +201,15 @@ def test_rerun_into_a_finished_run_needs_resume_or_overwrite(tmp_path):
     common = ["--out_dir", str(tmp_path), "--total_steps", "4", "--eval_every", "4", *SMALL]
     run(common)
     p = run(common, check=False)
-    assert p.returncode == 1 and "already holds a run" in p.stderr and "--resume" in p.stderr and "--overwrite" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1 and len(metrics(tmp_path)) == 4  # the old run is untouched
+    assert (
+        p.returncode == 1
+        and "holds a run" in p.stderr
+        and "--resume" in p.stderr
+        and "--overwrite" in p.stderr
+    )
+    assert (
+        len(p.stderr.strip().splitlines()) == 1 and len(metrics(tmp_path)) == 4
+    )  # the old run is untouched
     for _ in range(3):  # the same command again and again: each replaces the last, never mixes
         run([*common, "--overwrite", "--seed", "2"])
         assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
@@ -170,9 +226,12 @@ def test_default_run_dirs_are_fresh_and_latest_links_the_last_finished(tmp_path)
                            text=True, timeout=300)  # fmt: skip
         assert p.returncode == 0, p.stderr[-2000:]
     runs = sorted((d for d in os.listdir(tmp_path / "runs" / "sft") if d != "latest"), key=len)
-    assert len(runs) == 2 and os.readlink(tmp_path / "runs" / "sft" / "latest") == max(runs, key=lambda d: (d[:15], len(d)))
+    assert len(runs) == 2 and os.readlink(tmp_path / "runs" / "sft" / "latest") == max(
+        runs, key=lambda d: (d[:15], len(d))
+    )
     assert (tmp_path / "runs" / "sft" / "latest" / "model.safetensors").exists()
-    assert not (tmp_path / "runs" / "sft" / runs[-1] / ".lock").exists()  # removed at exit
+    with open(tmp_path / "runs" / "sft" / runs[-1] / ".lock") as lock:  # released at exit
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_stale_temp_dir_of_a_killed_save_is_cleaned_and_resume_continues(tmp_path):
@@ -183,28 +242,67 @@ def test_stale_temp_dir_of_a_killed_save_is_cleaned_and_resume_continues(tmp_pat
     shutil.copytree(tmp_path / "checkpoints" / "step_00000004", stale)
     (stale / "state.pt").write_bytes(b"truncated")
     run(["--total_steps", "6", "--resume", *common])
-    assert not stale.exists() and sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert not stale.exists() and sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000006",
+    ]
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "3", *SMALL]
     run(["--total_steps", "4", *common])
-    weights = tmp_path / "checkpoints" / "step_00000004" / "model.safetensors"
+    weights = tmp_path / "checkpoints" / "step_00000004" / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     p = run(["--total_steps", "6", "--resume", *common])
-    assert "step_00000004 is damaged" in p.stdout and "resumed from" in p.stdout and "step_00000002" in p.stdout
-    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]  # rows after step 2 were logged again
-    for ckpt in (tmp_path / "checkpoints").iterdir():  # now every checkpoint damaged: a one-line error
+    assert (
+        "step_00000004 is damaged" in p.stdout
+        and "resumed from" in p.stdout
+        and "step_00000002" in p.stdout
+    )
+    assert [m["step"] for m in metrics(tmp_path)] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]  # rows after step 2 were logged again
+    for ckpt in (
+        tmp_path / "checkpoints"
+    ).iterdir():  # now every checkpoint damaged: a one-line error
         (ckpt / "state.pt").write_bytes(b"")
     p = run(["--total_steps", "8", "--resume", *common], check=False)
-    assert p.returncode == 1 and "no complete checkpoint" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert (
+        p.returncode == 1
+        and "no complete checkpoint" in p.stderr
+        and len(p.stderr.strip().splitlines()) == 1
+    ), p.stderr
 
 
 def test_a_second_run_into_a_locked_out_dir_stops(tmp_path):
-    (tmp_path / ".lock").write_text(str(os.getpid()))  # a live process holds the run dir
-    p = run(["--out_dir", str(tmp_path), "--total_steps", "2"], check=False)
-    assert p.returncode == 1 and f"another run (pid {os.getpid()})" in p.stderr, p.stderr
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / ".lock").write_text(dead.stdout.strip())  # its process is gone: the stale lock is ignored
+    """A live run holds an flock on its directory; the lock goes with the process, even a killed one."""
+    with open(tmp_path / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running sft.py does
+        p = run(["--out_dir", str(tmp_path), "--total_steps", "2"], check=False)
+        assert p.returncode == 1 and "another run is writing to" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1
     run(["--out_dir", str(tmp_path), "--total_steps", "2", "--eval_every", "2", *SMALL])
+
+
+def test_eval_size_0_means_no_eval(tmp_path):
+    run(["--out_dir", str(tmp_path), "--total_steps", "4", *SMALL[:4], "--eval_size", "0"])
+    assert not any(k.startswith("eval/") for m in metrics(tmp_path) for k in m)
+
+
+def test_damaged_model_file_is_a_one_line_error(tmp_path):
+    run(["--out_dir", str(tmp_path / "a"), "--total_steps", "2", "--eval_every", "2", *SMALL])
+    weights = tmp_path / "a" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    p = run(
+        ["--out_dir", str(tmp_path / "b"), "--model", str(tmp_path / "a"), "--total_steps", "2"],
+        check=False,
+    )
+    assert p.returncode == 1 and f"cannot read '{weights}'" in p.stderr and "damaged" in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
