@@ -42,7 +42,7 @@ def test_shared_helpers_identical():
     sources["adam_tf_step"]["adam_tf.py"] = definitions(ROOT / "adam_tf.py")["adam_tf_step"]
     shared = {fn: files for fn, files in sources.items() if len(files) > 1}
     # first_true_indices, response_mask, greedy_accuracy, get_reward: now in gpt2.py and data/
-    for must in ("setup_distributed", "save_checkpoint", "lr_at", "adam_tf_step"):
+    for must in ("setup_distributed", "checkpoint", "lr_at", "adam_tf_step"):
         assert must in shared, f"{must} is no longer shared: did a script rename it?"
     drifted = [
         f"{fn}: {sorted(files)}" for fn, files in shared.items() if len(set(files.values())) > 1

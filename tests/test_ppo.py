@@ -1,7 +1,9 @@
-"""ppo.py: GAE vs a loop, masked whitening, the KL controller, the per-token rewards and missing-stop penalty, log-probs
-and entropy at the temperature, PPO invariants, the inline AdamTF vs adam_tf.py, pad != eos, a tiny end-to-end run
-(adaptive KL, checkpoints, resume == uninterrupted), the reference = the starting policy (KL 0 at the first update, also
-for a random `tiny`), 1 process == 2 ranks (FSDP2, gloo) and resume under FSDP2, one-line errors."""
+"""ppo.py: GAE vs a loop, masked whitening, the KL controller, the per-token rewards and the
+missing-stop penalty, log-probs and entropy at the temperature, PPO invariants, the inline AdamTF
+vs adam_tf.py, pad != eos, a tiny end-to-end run (adaptive KL, checkpoints, resume ==
+uninterrupted with AdamTF), the reference = the starting policy, 1 process == 2 ranks (FSDP2,
+gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint resumed at 2 ranks and at 1,
+one-line errors."""
 
 import json
 import os
@@ -14,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import adam_tf  # noqa: E402
-import gpt2  # noqa: E402
-import ppo  # noqa: E402
+import adam_tf
+import gpt2
+import ppo
 
+ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 EOS = 256  # the bytes tokenizer's <|endoftext|>
+TINY = gpt2.PRESETS["tiny"]
 
 
 def random_mask(B=6, T=9, seed=0):
@@ -37,12 +39,14 @@ def random_mask(B=6, T=9, seed=0):
 def test_gae_matches_python_loop(gamma, lam):
     mask, gen = random_mask()
     rewards, values = torch.randn(2, *mask.shape, generator=gen) * mask
-    adv, ret = ppo.compute_gae(rewards, values + 5 * ~mask, mask, gamma, lam)  # junk values after the end must not leak
-    for b in range(mask.size(0)):  # lm-human-preferences' loop, over the real tokens only; terminal value 0
+    # junk values after the end must not leak
+    adv, ret = ppo.compute_gae(rewards, values + 5 * ~mask, mask, gamma, lam)
+    for b in range(mask.size(0)):  # lm-human-preferences' loop over the real tokens; terminal V 0
         n, last = int(mask[b].sum()), 0.0
         for t in reversed(range(n)):
             next_value = values[b, t + 1].item() if t + 1 < n else 0.0
-            last = rewards[b, t].item() + gamma * next_value - values[b, t].item() + gamma * lam * last  # A_t
+            delta = rewards[b, t].item() + gamma * next_value - values[b, t].item()
+            last = delta + gamma * lam * last  # A_t
             assert adv[b, t].item() == pytest.approx(last, abs=1e-5)
             assert ret[b, t].item() == pytest.approx(last + values[b, t].item(), abs=1e-5)
         assert (adv[b, n:] == 0).all() and (ret[b, n:] == 0).all()
@@ -51,7 +55,8 @@ def test_gae_matches_python_loop(gamma, lam):
 def test_masked_whiten():
     mask, gen = random_mask(8, 7, seed=1)
     x = torch.randn(mask.shape, generator=gen) * 3 + 2
-    ref, out = (x[mask] - x[mask].mean()) / x[mask].var(unbiased=False).sqrt(), ppo.masked_whiten(x, mask)
+    ref = (x[mask] - x[mask].mean()) / x[mask].var(unbiased=False).sqrt()
+    out = ppo.masked_whiten(x, mask)
     torch.testing.assert_close(out[mask], ref, rtol=1e-5, atol=1e-5)
     assert (out[~mask] == 0).all()
     kept = ppo.masked_whiten(x, mask, shift_mean=False)[mask]  # scale only: the mean stays
@@ -60,19 +65,28 @@ def test_masked_whiten():
 
 def test_adaptive_kl_controller_formula():
     # beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon), by hand
-    assert ppo.adaptive_kl_coef(0.1, 0.45, 0.3, 64, 10000) == pytest.approx(0.1 * (1 + 0.2 * 64 / 10000))  # clipped
-    assert ppo.adaptive_kl_coef(0.1, 0.27, 0.3, 64, 10000) == pytest.approx(0.1 * (1 - 0.1 * 64 / 10000))
+    clipped = ppo.adaptive_kl_coef(0.1, 0.45, 0.3, 64, 10000)
+    assert clipped == pytest.approx(0.1 * (1 + 0.2 * 64 / 10000))
+    assert ppo.adaptive_kl_coef(0.1, 0.27, 0.3, 64, 10000) == pytest.approx(
+        0.1 * (1 - 0.1 * 64 / 10000)
+    )
     assert ppo.adaptive_kl_coef(0.1, 0.0, 0.3, 500, 1000) == pytest.approx(0.1 * 0.9)
     assert ppo.adaptive_kl_coef(0.1, 0.3, 0.3, 64, 10000) == 0.1
 
 
 def test_per_token_rewards_and_missing_stop_penalty():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool()
-    logprobs, ref = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-1.0] * 4]), torch.tensor([[-1.5, -1.0, -0.5, 7.0], [-2.0] * 4])
-    rewards, non_score, kl = ppo.per_token_rewards(torch.tensor([3.0, -1.0]), logprobs, ref, mask, 0.1)
-    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0] * 4]))  # 0 after the last real token
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-1.0] * 4])
+    ref = torch.tensor([[-1.5, -1.0, -0.5, 7.0], [-2.0] * 4])
+    rewards, non_score, kl = ppo.per_token_rewards(
+        torch.tensor([3.0, -1.0]), logprobs, ref, mask, 0.1
+    )
+    torch.testing.assert_close(
+        kl, torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0] * 4])
+    )  # 0 after the end
     torch.testing.assert_close(non_score, -0.1 * kl)
-    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1, 3.0, 0.0], [-0.1, -0.1, -0.1, -1.1]]))
+    expected = torch.tensor([[-0.05, 0.1, 3.0, 0.0], [-0.1, -0.1, -0.1, -1.1]])
+    torch.testing.assert_close(rewards, expected)
     response = torch.tensor([[5, EOS, EOS], [5, 6, 7]])  # the second never stops
     scores = torch.tensor([2.0, 2.0])
     assert ppo.penalised_scores(scores, response, EOS, -1.0).tolist() == [2.0, -1.0]
@@ -85,24 +99,27 @@ def test_logprobs_and_entropy_at_the_sampling_temperature():
     p = torch.softmax(logits.detach() / 0.7, -1)
     torch.testing.assert_close(logprobs.detach(), p.gather(-1, labels[..., None]).squeeze(-1).log())
     torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
-    assert logprobs.requires_grad and not entropy.requires_grad  # the entropy is a statistic, not part of the loss
+    assert logprobs.requires_grad and not entropy.requires_grad  # a statistic, not in the loss
     assert ppo.logprobs_from_logits(logits, labels, 0.7)[1] is None
 
 
 def test_ppo_losses():
     mask, gen = random_mask()
     logprobs, adv = -torch.rand(mask.shape, generator=gen), torch.randn(mask.shape, generator=gen)
-    pg, ratio, clipped = ppo.policy_loss(logprobs.clone(), logprobs, adv, 0.2)  # first minibatch: nothing moved yet
+    # the first minibatch: nothing moved yet
+    pg, ratio, clipped = ppo.policy_loss(logprobs.clone(), logprobs, adv, 0.2)
     assert (ratio == 1).all() and not clipped.any() and torch.equal(pg, -adv)
     pg, ratio, clipped = ppo.policy_loss(logprobs + 0.5, logprobs, adv, 0.2)  # ratio e^0.5 > 1.2
     torch.testing.assert_close(pg, torch.maximum(-adv * ratio, -adv * 1.2))
-    assert torch.equal(clipped, adv > 0)  # ratio above 1 + eps: the gain is capped where the advantage is positive
-    vf, vclip = ppo.value_loss(torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0]), 0.2)
-    torch.testing.assert_close(vf, torch.tensor([0.5 * 1.0**2, 0.5 * 0.8**2]))  # max(unclipped, clipped at 0.2) error
+    assert torch.equal(clipped, adv > 0)  # above 1 + eps the gain is capped where A > 0
+    vpred, values, returns = torch.tensor([1.0, 0.5]), torch.zeros(2), torch.tensor([0.0, 1.0])
+    vf, vclip = ppo.value_loss(vpred, values, returns, 0.2)
+    # max(unclipped, clipped at 0.2) squared error
+    torch.testing.assert_close(vf, torch.tensor([0.5 * 1.0**2, 0.5 * 0.8**2]))
     assert vclip.tolist() == [False, True]
 
 
-def test_inline_adam_tf_steps_like_adam_tf_py():  # tests/test_copies.py checks that the source is the same
+def test_inline_adam_tf_steps_like_adam_tf_py():  # tests/test_copies.py checks the source
     torch.manual_seed(0)
     params = [torch.randn(5, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
     copies = [[p.detach().clone().requires_grad_() for p in params] for _ in range(2)]
@@ -121,11 +138,12 @@ def test_inline_adam_tf_steps_like_adam_tf_py():  # tests/test_copies.py checks 
 
 
 def test_pad_other_than_eos_gives_the_same_rollout():
-    """A batch padded with 257 (an id that is not the stop token) gives the same samples, log-probs, values and
+    """A batch padded with 257 (not the stop token) gives the same samples, log-probs, values and
     scores on the real tokens as the same batch padded with the stop token."""
     torch.manual_seed(0)
-    cfg = gpt2.make_config("tiny", 258)
-    policy, value, reward = gpt2.GPT(cfg).eval(), ppo.ScalarModel(gpt2.GPT(cfg)).eval(), ppo.ScalarModel(gpt2.GPT(cfg)).eval()
+    cfg = gpt2.GPTConfig(**TINY, vocab_size=258)
+    policy = gpt2.GPT(cfg).eval()
+    value, reward = gpt2.ScalarModel(gpt2.GPT(cfg)).eval(), gpt2.ScalarModel(gpt2.GPT(cfg)).eval()
     prompts, noise = [[7, 8, 9], [10, 11], [12]], torch.rand(3, 5)
     responses = [[20, 21, EOS], [22, EOS], [23, 24, 25, 26, 27]]  # stop at 2, at 1, never
 
@@ -133,12 +151,13 @@ def test_pad_other_than_eos_gives_the_same_rollout():
         query = torch.tensor([[pad] * (3 - len(p)) + p for p in prompts])
         response = torch.tensor([r + [pad] * (5 - len(r)) for r in responses])
         sampled = gpt2.generate(policy, query, pad, 5, EOS, 0.7, noise=noise)
-        mask = ppo.response_mask(response, EOS)
-        query_response, attention_mask = ppo.sequence_inputs(query, response, pad, EOS)
-        inputs = (query_response, attention_mask, 3, nullcontext())
-        logprobs = ppo.logprobs_from_logits(ppo.forward_logits(policy, *inputs), response, 0.7)[0]
-        scores = ppo.penalised_scores(ppo.get_reward(reward, query, response, pad, EOS), response, EOS, -1.0)
-        return sampled * ppo.response_mask(sampled, EOS), logprobs * mask, ppo.forward_values(value, *inputs) * mask, scores
+        mask = gpt2.response_mask(response, EOS)
+        logits = ppo.forward_response(policy, query, response, pad, EOS, nullcontext())
+        logprobs = ppo.logprobs_from_logits(logits, response, 0.7)[0]
+        values = ppo.forward_response(value, query, response, pad, EOS, nullcontext())
+        scores = gpt2.get_reward(reward, query, response, pad, EOS)
+        scores = ppo.penalised_scores(scores, response, EOS, -1.0)
+        return sampled.response * sampled.mask, logprobs * mask, values * mask, scores
 
     with torch.no_grad():
         same, other = rollout(EOS), rollout(257)
@@ -152,21 +171,25 @@ def test_pad_other_than_eos_gives_the_same_rollout():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A random tiny policy and a random reward model (backbone + `score.*` head) on the bytes vocabulary."""
+    """A random tiny policy and a random reward model (gain 2, bias -0.5), bytes vocabulary."""
     d = tmp_path_factory.mktemp("models")
     torch.manual_seed(0)
-    policy, reward = gpt2.GPT(gpt2.make_config("tiny", 257)), gpt2.GPT(gpt2.make_config("tiny", 257))
-    gpt2.save_model(policy.state_dict(), policy.config, d / "sft")
-    head = {"score.weight": torch.randn(1, 128) * 0.1, "score.bias": torch.zeros(1)}
-    gpt2.save_model(reward.state_dict(), reward.config, d / "rm", head, {"reward_gain": 2.0, "reward_bias": -0.5})
+    gpt2.save(gpt2.GPT(gpt2.GPTConfig(**TINY, vocab_size=257)), str(d / "sft"))
+    reward = gpt2.ScalarModel(gpt2.GPT(gpt2.GPTConfig(**TINY, vocab_size=257)), 2.0, -0.5)
+    gpt2.save(reward, str(d / "rm"))
     return d
 
 
 def run(models, out, *flags, nproc=0, check=True):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
-    args = ["--model", str(models / "sft"), "--reward_model", str(models / "rm"), "--out_dir", str(out), "--batch_size", "16",
-            "--micro_batch_size", "4", "--response_length", "6", "--eval_size", "16", "--log_every", "1", *flags]  # fmt: skip
-    p = subprocess.run(launcher + ["ppo.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    args = ["--model", str(models / "sft"), "--reward_model", str(models / "rm")]
+    args += ["--out_dir", str(out), "--batch_size", "16", "--micro_batch_size", "4"]
+    args += ["--response_length", "6", "--eval_size", "16", "--log_every", "1", *flags]
+    p = subprocess.run(
+        launcher + ["ppo.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
     if check:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p
@@ -177,19 +200,31 @@ def metrics(out):
 
 
 def test_tiny_run_adaptive_kl_checkpoints_and_resume(models, tmp_path):
-    flags = ["--total_episodes", "48", "--num_minibatches", "2", "--eval_every", "2", "--adaptive_kl", "--target_kl",
-             "0.01", "--kl_horizon", "100", "--kl_coef", "0.1", "--optimizer", "adam"]  # fmt: skip
-    run(models, tmp_path / "full", *flags)
+    flags = ["--total_episodes", "48", "--num_minibatches", "2", "--eval_every", "2"]
+    flags += ["--target_kl", "0.01", "--kl_horizon", "100", "--kl_coef", "0.1"]
+    run(models, tmp_path / "full", *flags)  # AdamTF, the default
     m = metrics(tmp_path / "full")
-    assert [r["step"] for r in m] == [0, 1, 2, 3] and "eval/score" in m[0] and "eval/accuracy" in m[-1]
+    assert [r["step"] for r in m] == [0, 1, 2, 3] and "eval/score" in m[0]
+    assert "eval/accuracy" in m[-1] and "eval/score" in m[-1]
     assert m[1]["objective/kl"] == 0  # the reference is the starting policy
+    for r in m[1:]:  # the logged objectives add up
+        nonscore = -r["objective/kl_coef"] * r["objective/kl"]
+        assert r["objective/non_score_reward"] == pytest.approx(nonscore, abs=1e-6)
+        total = r["objective/scores"] + r["objective/non_score_reward"]
+        assert r["objective/rlhf_reward"] == pytest.approx(total, abs=1e-6)
     for a, b in zip(m[1:], m[2:]):  # the controller step from the logged global KL
-        assert b["objective/kl_coef"] == pytest.approx(ppo.adaptive_kl_coef(a["objective/kl_coef"], a["objective/kl"], 0.01, 16, 100))
-    assert m[-1]["objective/kl"] != 0 and m[-1]["objective/kl_coef"] != 0.1  # the policy moved; the sampled KL may be < 0
-    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step_00000002", "step_00000003"]
-    assert gpt2.load_model(str(tmp_path / "full")).config.n_layer == 4
-    # restart from the step-2 checkpoint (policy, value, both optimizers, kl_coef) in a fresh out_dir
-    ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
+        coef = ppo.adaptive_kl_coef(a["objective/kl_coef"], a["objective/kl"], 0.01, 16, 100)
+        assert b["objective/kl_coef"] == pytest.approx(coef)
+    assert m[-1]["objective/kl"] != 0 and m[-1]["objective/kl_coef"] != 0.1  # the policy moved
+    checkpoints = tmp_path / "full" / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["step_00000002", "step_00000003"]
+    assert sorted(os.listdir(checkpoints / "step_00000002")) == ["policy", "state.pt", "value"]
+    assert gpt2.load(str(tmp_path / "full")).config.n_layer == 4
+    value = gpt2.load(str(checkpoints / "step_00000003" / "value"), head="saved")
+    assert value.reward_gain == 1.0 and value.reward_bias == 0.0  # the zero head: no RM gain
+    assert value.score.weight.abs().sum() > 0  # trained away from zero
+    # restart from the step-2 checkpoint (policy, value, both AdamTF states, kl_coef) in a fresh dir
+    ckpt = checkpoints / "step_00000002"
     shutil.copytree(ckpt, tmp_path / "re" / "checkpoints" / ckpt.name)
     run(models, tmp_path / "re", *flags, "--resume")
     resumed = metrics(tmp_path / "re")
@@ -199,15 +234,39 @@ def test_tiny_run_adaptive_kl_checkpoints_and_resume(models, tmp_path):
         assert k.startswith("perf/") or abs(v - m[-1][k]) < 1e-5, (k, v, m[-1][k])
 
 
-def test_random_tiny_policy_is_its_own_reference(models, tmp_path):
-    """`--model tiny` is a random init: the reference must be a copy of it, not a second random draw."""
-    run(models, tmp_path, "--model", "tiny", "--total_episodes", "16", "--num_ppo_epochs", "1", "--eval_size", "0")
+def test_tiny_run_learns_what_the_reward_model_prefers(models, tmp_path):
+    """12 updates raise the greedy responses' reward-model score well above the start's."""
+    flags = ["--total_episodes", "192", "--eval_every", "12", "--micro_batch_size", "8"]
+    flags += [
+        "--lr",
+        "1e-3",
+        "--kl_coef",
+        "0.01",
+        "--no-adaptive_kl",
+        "--penalty_reward_value",
+        "None",
+    ]
+    run(models, tmp_path, *flags)
     m = metrics(tmp_path)
-    assert m[1]["objective/kl"] == 0 and m[1]["objective/entropy"] > 0 and "policy/entropy_avg" in m[1]
+    assert [r["step"] for r in m] == list(range(13))
+    assert m[-1]["eval/score"] > m[0]["eval/score"] + 1.0, (m[0]["eval/score"], m[-1]["eval/score"])
+
+
+def test_random_tiny_policy_is_its_own_reference(models, tmp_path):
+    """`--model tiny` is a random init: the reference must be a copy of it, not a second draw.
+    Also torch's Adam and the reward head as the value head's start."""
+    flags = ["--total_episodes", "16", "--num_ppo_epochs", "1", "--num_minibatches", "1"]
+    flags += ["--eval_size", "0", "--optimizer", "adam", "--value_head", "reward"]
+    run(models, tmp_path, "--model", "tiny", *flags)
+    (m,) = metrics(tmp_path)  # no eval: no step-0 row
+    assert m["step"] == 1 and m["objective/kl"] == 0 and m["val/ratio"] == 1
+    assert m["policy/approxkl_avg"] == 0 and m["policy/clipfrac_avg"] == 0
+    assert "eval/score" not in m and "policy/entropy_avg" in m
 
 
 def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_path):
-    flags = ["--total_episodes", "48", "--num_minibatches", "1", "--num_ppo_epochs", "1", "--eval_every", "2"]
+    flags = ["--total_episodes", "48", "--num_minibatches", "1", "--num_ppo_epochs", "1"]
+    flags += ["--eval_every", "2"]
     run(models, tmp_path / "r1", *flags)  # a plain process vs FSDP2 over 2 ranks
     run(models, tmp_path / "r2", *flags, nproc=2)
     a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
@@ -217,31 +276,48 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_
         for k in x:
             if not k.startswith("perf/"):
                 assert abs(x[k] - y[k]) < 1e-4, (k, x[k], y[k])
-    for r in a[1:]:  # one epoch of one minibatch: its stats are taken before any update, on the rollout's own policy
-        assert r["policy/approxkl_avg"] < 1e-10 and abs(r["val/ratio"] - 1) < 1e-6 and r["policy/clipfrac_avg"] == 0
-    assert a[1]["objective/kl"] == 0 and a[2]["objective/kl"] != 0  # the update moved the policy from the reference
-    # resume under FSDP2 (sharded AdamTF and value states) from step 2 in a fresh dir: step 3 as uninterrupted
+    for r in a[1:] + b[1:]:  # one epoch of one minibatch: the rollout's own policy, exactly
+        assert r["policy/approxkl_avg"] < 1e-12 and abs(r["val/ratio"] - 1) < 1e-6
+        assert r["policy/clipfrac_avg"] == 0 and r["val/ratio_var"] < 1e-12
+    assert a[1]["objective/kl"] == 0 and a[2]["objective/kl"] != 0  # the update moved the policy
+    # resume under FSDP2 (sharded AdamTF and value states) from step 2 in a fresh dir
     ckpt = tmp_path / "r2" / "checkpoints" / "step_00000002"
     shutil.copytree(ckpt, tmp_path / "re" / "checkpoints" / ckpt.name)
     run(models, tmp_path / "re", *flags, "--resume", nproc=2)
     (resumed,) = metrics(tmp_path / "re")
     for k, v in resumed.items():
         assert k.startswith("perf/") or abs(v - b[-1][k]) < 1e-6, (k, v, b[-1][k])
+    # and in one process: the checkpoint holds full, unsharded states
+    shutil.copytree(ckpt, tmp_path / "re1" / "checkpoints" / ckpt.name)
+    run(models, tmp_path / "re1", *flags, "--resume")
+    (resumed,) = metrics(tmp_path / "re1")
+    for k, v in resumed.items():
+        assert k.startswith("perf/") or abs(v - b[-1][k]) < 1e-4, (k, v, b[-1][k])
 
 
-@pytest.mark.parametrize("flags, expected", [(["--reward_model", "SFT"], "no reward head"),
-                                             (["--num_minibatches", "3"], "num_minibatches"),
-                                             (["--response_length", "100"], "exceed")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--reward_model", "SFT"], "no reward head"),
+        (["--num_minibatches", "3"], "num_minibatches"),
+        (["--response_length", "100"], "exceed"),
+        (["--temperature", "0"], "--temperature"),
+        (["--lr", "1e12"], "non-finite PPO statistics at update 1"),  # diverges at once
+    ],
+)
 def test_bad_flags_give_one_line_errors(models, tmp_path, flags, expected):
     flags = [str(models / "sft") if f == "SFT" else f for f in flags]
     p = run(models, tmp_path, "--total_episodes", "16", *flags, check=False)
-    assert p.returncode != 0 and expected in p.stderr, p.stderr
+    assert p.returncode == 1 and expected in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_missing_default_models_say_what_to_run(models, tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "ppo.py")], cwd=tmp_path, env=ENV, capture_output=True, text=True)
-    assert p.returncode == 1 and "python sft.py" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    p = subprocess.run([sys.executable, str(ROOT / "ppo.py"), "--model", str(models / "sft")], cwd=tmp_path, env=ENV,
-                       capture_output=True, text=True)  # fmt: skip
-    assert p.returncode == 1 and "python reward.py" in p.stderr and not (tmp_path / "runs").exists(), p.stderr
+    cmd = [sys.executable, str(ROOT / "ppo.py")]
+    p = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True)
+    assert p.returncode == 1 and "python sft.py" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    cmd += ["--model", str(models / "sft")]
+    p = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True)
+    assert p.returncode == 1 and "python reward.py" in p.stderr, p.stderr
+    assert not (tmp_path / "runs").exists()
