@@ -274,9 +274,7 @@ def main(args: Args):
     if not (args.reference_free or args.loss_type == "simpo"):
         ref = model  # the starting policy, or --ref_model: frozen, sharded as the policy is
         if args.ref_model:
-            ref = gpt2.load(args.ref_model, meta).to(device).eval().requires_grad_(False)
-            if dist.is_initialized():
-                shard(ref, device, bf16)
+            ref = freeze(gpt2.load(args.ref_model, meta), device, bf16)
         if MASTER:
             print(f"reference log-probs of {n_train} train and {n_test} eval pairs", flush=True)
         ref_train = split_logprobs(ref, train, n_train, micro_batch_size, pad, eos, ctx)
@@ -432,6 +430,17 @@ def shard(model, device, bf16):
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
+
+
+def freeze(model, device, bf16):
+    """A model that is not trained (reference, reward): no gradients, no optimizer state, sharded
+    as the trained ones are, its blocks stored in bf16 under FSDP2, which computes them in bf16 (in
+    one process, autocast keeps LayerNorms in fp32, which bf16 storage would round)."""
+    model.eval().requires_grad_(False)
+    if bf16 and dist.is_initialized():
+        model.transformer.h.to(torch.bfloat16)
+    model.to(device)
+    return shard(model, device, bf16) if dist.is_initialized() else model
 
 
 def all_reduce(x):

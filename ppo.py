@@ -304,14 +304,13 @@ def main(args: Args):
     context = min(policy.config.block_size, reward_model.config.block_size)
     if prompts["query"].shape[1] + args.response_length > context:
         raise RunError(f"prompt + --response_length exceed the models' {context} tokens: lower it")
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-    value_model = copy.deepcopy(reward_model)
+    ref_policy, value_model = copy.deepcopy(policy), copy.deepcopy(reward_model)
     if args.value_head == "zero":  # lm-human-preferences' value head: the first values are 0
         torch.nn.init.zeros_(value_model.score.weight)
         torch.nn.init.zeros_(value_model.score.bias)
         value_model.reward_gain, value_model.reward_bias = 1.0, 0.0
-    reward_model.eval().requires_grad_(False)
-    for model in (policy, ref_policy, reward_model, value_model):
+    ref_policy, reward_model = (freeze(m, device, bf16) for m in (ref_policy, reward_model))
+    for model in (policy, value_model):
         model.activation_checkpointing = args.activation_checkpointing
         model.to(device)
         if dist.is_initialized():
@@ -547,6 +546,17 @@ def shard(model, device, bf16):
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
+
+
+def freeze(model, device, bf16):
+    """A model that is not trained (reference, reward): no gradients, no optimizer state, sharded
+    as the trained ones are, its blocks stored in bf16 under FSDP2, which computes them in bf16 (in
+    one process, autocast keeps LayerNorms in fp32, which bf16 storage would round)."""
+    model.eval().requires_grad_(False)
+    if bf16 and dist.is_initialized():
+        model.transformer.h.to(torch.bfloat16)
+    model.to(device)
+    return shard(model, device, bf16) if dist.is_initialized() else model
 
 
 def all_reduce(x):

@@ -155,9 +155,7 @@ def normalize(model, queries, args, meta, bf16, ctx):
     queries = queries[rng.choice(len(queries), n, replace=n > len(queries))]  # (N, Tq)
     noise = torch.from_numpy(rng.random((n, length), dtype=np.float32)).to(device)
     torch.manual_seed(args.seed)  # `--model tiny`: the init the reward model's backbone had
-    policy = gpt2.load(args.model, meta).to(device).eval().requires_grad_(False)
-    if dist.is_initialized():
-        shard(policy, device, bf16)
+    policy = freeze(gpt2.load(args.model, meta), device, bf16)
     for i in data.progress(range(0, local, args.micro_batch_size), "normalisation", show=MASTER):
         rows = slice(rank * local + i, rank * local + min(i + args.micro_batch_size, local))
         query, temperature = torch.from_numpy(queries[rows]).to(device), args.norm_temperature
@@ -359,6 +357,17 @@ def shard(model, device, bf16):
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
+
+
+def freeze(model, device, bf16):
+    """A model that is not trained (reference, reward): no gradients, no optimizer state, sharded
+    as the trained ones are, its blocks stored in bf16 under FSDP2, which computes them in bf16 (in
+    one process, autocast keeps LayerNorms in fp32, which bf16 storage would round)."""
+    model.eval().requires_grad_(False)
+    if bf16 and dist.is_initialized():
+        model.transformer.h.to(torch.bfloat16)
+    model.to(device)
+    return shard(model, device, bf16) if dist.is_initialized() else model
 
 
 def all_reduce(x):

@@ -300,6 +300,17 @@ def shard(model, device, bf16):
     return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
 
 
+def freeze(model, device, bf16):
+    """A model that is not trained (reference, reward): no gradients, no optimizer state, sharded
+    as the trained ones are, its blocks stored in bf16 under FSDP2, which computes them in bf16 (in
+    one process, autocast keeps LayerNorms in fp32, which bf16 storage would round)."""
+    model.eval().requires_grad_(False)
+    if bf16 and dist.is_initialized():
+        model.transformer.h.to(torch.bfloat16)
+    model.to(device)
+    return shard(model, device, bf16) if dist.is_initialized() else model
+
+
 def all_reduce(x):
     """Sum over ranks, in place (a no-op in one process)."""
     if dist.is_initialized():
