@@ -114,7 +114,7 @@ class Args:
     max_sampling_rounds: int = 4
     """--dynamic_sampling: extra rounds per step at most; then masked groups top the batch up"""
     recompute_old_logprobs: bool = False
-    """pi_old from a forward pass before the update, not the sampler's (the first minibatch: its own)"""
+    """pi_old from a forward pass before the update, not the sampler's (minibatch 1: its own)"""
     eval_every: int = 50
     """steps between evals (greedy accuracy on prompt_test) and checkpoints"""
     eval_size: int = 500

@@ -15,8 +15,17 @@ GRPO_SMOKE = ["--total_episodes", "32", "--num_prompts_per_step", "4", "--num_sa
 
 
 def torchrun(script, *args, cwd):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / script)]
-    return subprocess.run([*cmd, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / script),
+    ]
+    return subprocess.run(
+        [*cmd, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_design_line_on_a_fresh_clone_names_the_command_to_run_first(tmp_path):
