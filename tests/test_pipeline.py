@@ -10,8 +10,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-GRPO_SMOKE = ["--total_episodes", "32", "--num_prompts_per_step", "4", "--num_samples_per_prompt", "4",
-              "--num_minibatches", "1", "--eval_every", "2", "--eval_size", "16"]  # fmt: skip
+GRPO_SMOKE = [
+    "--total_episodes",
+    "32",
+    "--num_prompts_per_step",
+    "4",
+    "--num_samples_per_prompt",
+    "4",
+    "--num_minibatches",
+    "1",
+    "--eval_every",
+    "2",
+    "--eval_size",
+    "16",
+]
 
 
 def torchrun(script, *args, cwd):
@@ -37,8 +49,14 @@ def test_design_line_on_a_fresh_clone_names_the_command_to_run_first(tmp_path):
 
 
 def test_pipeline_outputs_are_where_the_scripts_look_and_the_design_line_then_works(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--smoke"], cwd=tmp_path, env=ENV,
-                       capture_output=True, text=True, timeout=900)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "pipeline.py"), "--smoke"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for stage in ("sft", "reward", "dpo", "ppo", "grpo"):
         latest = tmp_path / "runs" / stage / "latest"

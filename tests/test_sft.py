@@ -94,8 +94,14 @@ def test_resume_matches_uninterrupted(tmp_path):
 
 def test_sigterm_saves_checkpoint_then_resume_finishes(tmp_path):
     args = ["--out_dir", str(tmp_path), "--total_steps", "3000", "--eval_every", "100000", *SMALL]
-    p = subprocess.Popen([sys.executable, "sft.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "sft.py", *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (
         (tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 5
@@ -131,8 +137,13 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     common = ["--total_steps", "40", "--eval_every", "4", *SMALL]
     run(["--out_dir", str(tmp_path / "full"), *common])
     out = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, "sft.py", "--out_dir", str(out), *common], cwd=ROOT, env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "sft.py", "--out_dir", str(out), *common],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while (
         time.time() < deadline
@@ -222,8 +233,14 @@ def test_default_run_dirs_are_fresh_and_latest_links_the_last_finished(tmp_path)
     sft = str(ROOT / "sft.py")
     common = ["--total_steps", "2", "--eval_every", "2", *SMALL]
     for seed in ("1", "1"):  # the same seed twice in one second still gets two dirs
-        p = subprocess.run([sys.executable, sft, *common, "--seed", seed], cwd=tmp_path, env=ENV, capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, sft, *common, "--seed", seed],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
     runs = sorted((d for d in os.listdir(tmp_path / "runs" / "sft") if d != "latest"), key=len)
     assert len(runs) == 2 and os.readlink(tmp_path / "runs" / "sft" / "latest") == max(
