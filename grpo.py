@@ -527,10 +527,9 @@ def shard(model, device, bf16):
 
 
 def freeze(model, device, bf16):
-    """A model not trained (reference, reward): no gradients; bf16 blocks under FSDP2 (in one
-    process, autocast keeps LayerNorms in fp32, which bf16 storage would round)."""
+    """A model not trained (reference, reward): no gradients; bf16 blocks under FSDP2."""
     model.eval().requires_grad_(False)
-    if bf16 and dist.is_initialized():
+    if bf16 and dist.is_initialized():  # in one process autocast keeps LayerNorms in fp32
         model.transformer.h.to(torch.bfloat16)
     model.to(device)
     return shard(model, device, bf16) if dist.is_initialized() else model

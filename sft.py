@@ -273,8 +273,7 @@ def micro_batches(local_batch_size, micro_batch_size):
 
 
 def setup_distributed():
-    """Under torchrun a process group (nccl on CUDA, gloo on CPU), torn down at exit; else one
-    process. Returns (rank, world_size, device)."""
+    """(rank, world_size, device): under torchrun a process group (nccl on CUDA, gloo on CPU)."""
     gpt2.keep_freed_memory()
     signal.signal(signal.SIGTERM, lambda *_: SIGTERM.append(True))
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
@@ -290,8 +289,7 @@ def setup_distributed():
 
 
 def shard(model, device, bf16):
-    """FSDP2: each block, then the root (the tied wte and lm_head together). In bf16: bf16 block
-    parameters and fp32 gradient reduction; the root stays fp32 for the model's fp32 head."""
+    """FSDP2: blocks, then the root (tied wte, lm_head) in fp32 for the fp32 head; bf16 blocks."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
@@ -301,11 +299,9 @@ def shard(model, device, bf16):
 
 
 def freeze(model, device, bf16):
-    """A model that is not trained (reference, reward): no gradients, no optimizer state, sharded
-    as the trained ones are, its blocks stored in bf16 under FSDP2, which computes them in bf16 (in
-    one process, autocast keeps LayerNorms in fp32, which bf16 storage would round)."""
+    """A model not trained (reference, reward): no gradients; bf16 blocks under FSDP2."""
     model.eval().requires_grad_(False)
-    if bf16 and dist.is_initialized():
+    if bf16 and dist.is_initialized():  # in one process autocast keeps LayerNorms in fp32
         model.transformer.h.to(torch.bfloat16)
     model.to(device)
     return shard(model, device, bf16) if dist.is_initialized() else model
@@ -319,8 +315,7 @@ def all_reduce(x):
 
 
 def start_run(args, algo):
-    """The run directory, claimed by rank 0: a fresh runs/<algo>/<time>-s<seed>, or --out_dir, which
-    needs --resume or --overwrite once it holds a run. An flock keeps a second process out."""
+    """The run directory, claimed by rank 0 (fresh, or --out_dir with --resume or --overwrite)."""
     out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
     while MASTER and not args.out_dir and os.path.exists(out_dir):  # two runs in one second
         out_dir += "x"
@@ -368,8 +363,7 @@ def claim_run_dir(out_dir, args):
 
 
 def finish_run(args, algo):
-    """After the final save: point runs/<algo>/latest, where the next stage looks, at a finished
-    default run, and exit."""
+    """After the final save: point runs/<algo>/latest, where the next stage looks, at it; exit."""
     if MASTER:
         print(f"saved {args.out_dir}/model.safetensors", flush=True)
     if MASTER and args.out_dir == os.path.join("runs", algo, os.path.basename(args.out_dir)):
@@ -385,10 +379,8 @@ def finish_run(args, algo):
 
 
 def checkpoint(args, step, models, due, extra=None):
-    """Save checkpoints/step_N when due or when any rank got SIGTERM (agreed by all, so all save at
-    the same step), then stop on SIGTERM. models: {name: (model, optimizer)}, each saved in the HF
-    layout with its optimizer's full state on CPU; built in a temp dir and renamed into place, so a
-    kill leaves all or nothing. A collective: every rank calls it at every step."""
+    """Every step, on every rank: save checkpoints/step_N (models {name: (model, optimizer)}, state
+    on CPU, built in a temp dir, then renamed) when due or on SIGTERM to any rank, then stop."""
     device = next(next(iter(models.values()))[0].parameters()).device
     stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
     if not (due or stop):
@@ -415,8 +407,7 @@ def checkpoint(args, step, models, due, extra=None):
 
 
 def load_checkpoint(out_dir, models):
-    """--resume: rank 0 picks the newest checkpoint that reads whole, skipping damaged ones; every
-    rank loads it into its models and optimizers, at any world size. Returns its state."""
+    """--resume: rank 0 picks the newest whole checkpoint; all ranks load it, at any world size."""
     box = [None]
     paths = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*")), reverse=True)
     for path in paths if MASTER else []:
