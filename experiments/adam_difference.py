@@ -192,13 +192,14 @@ def sft_policy(args: Args) -> str:
 
 
 def build_policy(args: Args, meta: dict, seed: int):
-    dtype = getattr(torch, args.dtype)
     if args.model.startswith("random:"):
         torch.manual_seed(seed)
         preset = gpt2.PRESETS[args.model.removeprefix("random:")]
-        return gpt2.GPT(gpt2.GPTConfig(**preset, vocab_size=meta["vocab_size"])).to(dtype)
-    path = sft_policy(args) if args.model == "sft" else args.model
-    return gpt2.load(path, meta).to(dtype)
+        policy = gpt2.GPT(gpt2.GPTConfig(**preset, vocab_size=meta["vocab_size"]))
+    else:
+        policy = gpt2.load(sft_policy(args) if args.model == "sft" else args.model, meta)
+    policy.fp32_head = False  # the head runs in the model's own dtype: float64 stays float64
+    return policy.to(getattr(torch, args.dtype))
 
 
 def rollouts(policy, args: Args, meta: dict, seed: int) -> dict:
