@@ -6,9 +6,13 @@
 2. generate: batched sampling tokens/s of gpt2.generate (KV cache) vs HF `generate` on the same
    left-padded prompts with an attention mask (temperature 1, top_k 0, no stop token: both sample
    exactly B x new_tokens), and whether greedy fp32 outputs are identical.
-3. memory: per-rank bytes of parameters + Adam states and peak memory of ppo.py's four models
-   (policy, value, reference, reward) under FSDP2 on 1 and 2 ranks, one `torchrun` worker launch per
-   rank count (sharded by a copy of the scripts' own `shard_model`).
+3. memory: MEASURED, per rank, one training step of the policy (forward + backward + AdamW at
+   --memory_shape, 2 x 256 tokens) under FSDP2 at gpt2-large's shape on 1 and 2 ranks, one
+   `torchrun` launch per rank count (sharded by a copy of the scripts' own `shard`): the bytes of
+   parameters, gradients and Adam states, RSS once the full model is built (every rank builds it,
+   as the scripts do) and peak RSS (on CUDA also max_memory_allocated). Then a COMPUTED table: the
+   GPU memory each script should need per rank at gpt2-large and gpt2-xl, 256- and 512-token
+   responses, on --expected_ranks, with and without activation checkpointing (`expected_memory`).
 4. optimizer: one AdamW step over each preset's parameters, torch's three implementations (for-loop,
    foreach, fused) side by side: the scripts use fused on CPU and CUDA.
 4b. gemm (CPU): the model's fp32 GEMMs through MKL (torch's default) and oneDNN (gpt2.matmul's
@@ -27,9 +31,10 @@ both alike; each ratio is the median over turns of the ratio within one turn, pr
 over the turns. Weights are random (speed does not depend on them). transformers is a benchmark-only
 dependency: pip install -r requirements-test.txt.
 
-    python experiments/bench.py  # everything, CPU-sized: a few minutes on 2 cores
+    python experiments/bench.py  # everything, CPU-sized: minutes on 2 cores, 12 GB of RAM
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
-    python experiments/bench.py --sections memory --memory_preset gpt2-medium
+    python experiments/bench.py --sections memory  # gpt2-large: 12 GB RSS, 3 min on 2 cores
+    python experiments/bench.py --sections memory --memory_preset gpt2 --memory_shape 2x64
     python experiments/bench.py --sections optimizer --presets tiny --repeats 3  # seconds
     python experiments/bench.py --sections gemm --presets tiny,gpt2  # MKL vs oneDNN on this CPU
     python experiments/bench.py --sections prompts --presets tiny,gpt2 --repeats 15
@@ -65,9 +70,21 @@ NOTES = dict(  # printed above each section's table
     generate="sampling (temperature 1, top_k 0, no stop token) from left-padded prompts with an "
     "attention mask, tokens/s = sampled tokens; HF model.generate with its default cache and "
     "attention",
-    memory="ppo.py's four models under FSDP2 (Adam for policy and value after one step); bytes are "
-    "this rank's local shards; peak RSS includes building the full models on every rank before "
-    "sharding (torchrun workers run with MALLOC_MMAP_THRESHOLD_=131072 unless set)",
+    memory="MEASURED: one step of the policy (forward + backward of the cross-entropy on all "
+    "logits + fused AdamW) under FSDP2 (fp32 on CPU; bf16 params, fp32 reduce on CUDA); bytes are "
+    "this rank's local shards; 'built' is RSS once the full model is built, as every rank does "
+    "before sharding (torchrun workers run with MALLOC_MMAP_THRESHOLD_=131072 unless set, so RSS "
+    "tracks the live tensors)",
+    expected="COMPUTED, not measured: GPU GiB per rank = the models' shards (trained: fp32 params "
+    "+ grads + Adam, 16 B/param; frozen: bf16 blocks, fp32 root) + the larger of training (FSDP's "
+    "gathered root and blocks, activations of one micro-batch of 8 (pairs for dpo, reward): 34 C "
+    "bytes per token per layer in bf16 (2 C with checkpointing, plus one layer's 34 C), a bf16 "
+    "mask per layer, fp32 logits and their gradient over the response) and sampling (the whole "
+    "policy gathered, a bf16 KV cache of the rollout batch: ppo and reward 8 sequences, grpo "
+    "32 x 8 / N); 128-token prompts; ppo: policy + value trained, reference + reward frozen; "
+    "grpo: policy trained, reference frozen (beta > 0); dpo: policy only (the reference's "
+    "log-probs precomputed); reward: one model (+ the frozen policy sampling for the "
+    "normalisation); a cell: without / with activation checkpointing; *: sampling sets the peak",
     optimizer="one torch.optim.AdamW step (gradients present) over all parameters of a preset",
     gemm="fp32 GEMMs of each linear layer's shape through MKL (torch's default) and oneDNN "
     "(gpt2.py's choice on AMD CPUs): forward x @ W, the input's gradient g @ W.T and the weight's "
@@ -108,9 +125,13 @@ class Args:
     min_time: float = 0.3
     """seconds one timed turn lasts at least (short calls are looped)"""
     memory_preset: str = "gpt2"
-    """memory section: preset of the four models"""
+    """memory section: preset of the measured policy"""
+    memory_shape: str = "2x256"
+    """memory section: micro-batch x sequence length of the measured step"""
     memory_ranks: str = "1,2"
     """memory section: comma-separated rank counts, one torchrun launch each"""
+    expected_ranks: str = "1,8"
+    """memory section: the rank counts of the COMPUTED table"""
     peak_flops: float = 989e12
     """cuda section: the GPU's dense bf16 peak FLOP/s for MFU (989e12 = H100 SXM)"""
     mfu_shape: str = "16x1024"
@@ -127,7 +148,7 @@ class Args:
 # Helpers
 
 
-# setup_distributed and shard_model: copied from the scripts' plumbing section, so the memory
+# setup_distributed and shard: copied from the scripts' plumbing section, so the memory
 # section measures exactly the sharding they do (experiments import no top-level script)
 def setup_distributed():
     """torchrun → process group (nccl on CUDA, gloo on CPU); plain python → a single process.
@@ -147,20 +168,18 @@ def setup_distributed():
     return rank, world_size, device
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool):
-    """FSDP2: shard each transformer block, then the root (tied wte/lm_head stay together in the
-    root unit); bf16 params with fp32 gradient reduction when bf16. Works for a GPT or a
-    reward/value model with a scalar head."""
+def shard(model, device, bf16):
+    """FSDP2: each block, then the root (the tied wte and lm_head together). In bf16: bf16 block
+    parameters and fp32 gradient reduction; the root stays fp32 for the model's fp32 head."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy()
-    if bf16:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in [m for m in model.modules() if isinstance(m, gpt2.Block)]:
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
+    for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
 
 
 def config(preset: str, vocab_size: int | None = None) -> gpt2.GPTConfig:
@@ -367,18 +386,18 @@ def bench_generate(args: Args, device, sync, meta) -> list[dict]:
     return rows
 
 
-def bench_memory(args: Args, device) -> list[dict]:
-    """Launch the memory worker under torchrun once per rank count; rank 0 prints one JSON line for
-    all ranks."""
+def bench_memory(args: Args, device) -> tuple[list[dict], list[dict]]:
+    """MEASURED: the memory worker under torchrun once per rank count (rank 0 prints one JSON line
+    for all ranks); then the COMPUTED table of expected_memory."""
     rows = []
     for n in [int(r) for r in args.memory_ranks.split(",")]:
         if device.type == "cuda" and n > torch.cuda.device_count():
             print(f"skipped {n} ranks: {torch.cuda.device_count()} GPU(s)")
             continue
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        flags = ["--memory_preset", args.memory_preset, "--seed", str(args.seed)]
+        flags = ["--memory_preset", args.memory_preset, "--memory_shape", args.memory_shape]
         cmd = [*torchrun, f"--nproc_per_node={n}", os.path.abspath(__file__), *flags]
-        cmd += ["--sections", "memory_worker"]
+        cmd += ["--seed", str(args.seed), "--sections", "memory_worker"]
         # glibc's adaptive mmap threshold keeps freed FSDP all-gather buffers in the heap (GBs of
         # RSS on CPU for gpt2): a fixed threshold hands them back, so RSS tracks the live tensors
         defaults = dict(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
@@ -390,13 +409,65 @@ def bench_memory(args: Args, device) -> list[dict]:
             raise RuntimeError(f"memory worker on {n} ranks failed:\n{log}")
         ranks = json.loads(lines[0].removeprefix("MEMORY_JSON "))
         mb = {k: max(r[k] for r in ranks) / 2**20 for k in ranks[0]}  # the largest rank's
-        row = {"ranks": n, "preset": args.memory_preset, "params MB/rank": mb["params"]}
-        row |= {"Adam MB/rank": mb["adam"], "params+Adam MB/rank": mb["params"] + mb["adam"]}
-        row |= {"+ roots left gathered MB": mb["gathered"] - mb["params"]}
+        row = {"ranks": n, "preset": args.memory_preset, "B x T": args.memory_shape}
+        row |= {"params MB/rank": mb["params"], "grads MB/rank": mb["grads"]}
+        row |= {"Adam MB/rank": mb["adam"], "RSS built MB/rank": mb["built_rss"]}
         row |= {"peak RSS MB/rank": mb["peak_rss"]}
         if "cuda_peak" in mb:
             row["CUDA peak MB/rank"] = mb["cuda_peak"]
         rows += show([row])
+    return rows, expected_table(args)
+
+
+# how many models each script holds, trained and frozen (GPT or scalar head), the sequences of
+# one training micro-batch of 8 (dpo and reward: 8 pairs), which of them produce logits, and the
+# sequences it samples at once (ppo, reward: a micro-batch; grpo: its whole batch, 32 x 8, / N)
+SCRIPT_SHAPES = {
+    "sft": dict(trained=1, frozen=0, seqs=8, logit_seqs=8, sampled=0),
+    "reward": dict(trained=1, frozen=1, seqs=16, logit_seqs=0, sampled=8),
+    "dpo": dict(trained=1, frozen=0, seqs=16, logit_seqs=16, sampled=0),
+    "ppo": dict(trained=2, frozen=2, seqs=16, logit_seqs=8, sampled=8),
+    "grpo": dict(trained=1, frozen=1, seqs=8, logit_seqs=8, sampled=256),
+}
+
+
+def expected_memory(script, preset, response_length, ranks, checkpointing, prompt_length=128):
+    """COMPUTED GiB per rank of a script on GPUs (bf16 under FSDP2), and the phase that peaks:
+    shards + max(training, sampling). A model, not a measurement (see NOTES["expected"])."""
+    cfg, shape = config(preset), SCRIPT_SHAPES[script]
+    L, C, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    block = 12 * C * C + 13 * C  # a block's parameters
+    root = (V + cfg.block_size + 2) * C  # wte (tied to lm_head), wpe, ln_f
+    params = L * block + root
+    # shards: trained fp32 params + grads + Adam m, v; frozen bf16 blocks and fp32 root
+    shards = (16 * params * shape["trained"] + (2 * L * block + 4 * root) * shape["frozen"]) / ranks
+    T, S = prompt_length + response_length, shape["seqs"]
+    per_token = 2 * C * L + 34 * C if checkpointing else 34 * C * L  # bf16 saved for backward
+    mask = S * T * T * (3 if checkpointing else 2 * L)  # the bool mask, as a bf16 bias per layer
+    head = 2 * 4 * V * shape["logit_seqs"] * response_length  # fp32 logits and their gradient
+    gathered = (4 * root + 8 * block) * min(shape["trained"], 2)  # fp32 root, 2 blocks + grads
+    train = gathered + S * T * per_token + mask + head
+    batch = -(-shape["sampled"] // ranks) if script == "grpo" else shape["sampled"]
+    kv = 2 * 2 * L * batch * T * C  # keys and values in bf16
+    sample = (4 * root + 2 * L * block + kv) if batch else 0  # the whole policy gathered
+    phase = "train" if train >= sample else "sample"
+    return (shards + max(train, sample)) / 2**30, phase
+
+
+def expected_table(args: Args) -> list[dict]:
+    """COMPUTED: expected_memory per script at gpt2-large and gpt2-xl, 256 and 512 response tokens;
+    each cell 'without / with activation checkpointing', * where sampling sets the peak."""
+    rows, ranks = [], [int(r) for r in args.expected_ranks.split(",")]
+    for script in SCRIPT_SHAPES:
+        row = {"COMPUTED GiB per GPU": script}
+        for preset in ("gpt2-large", "gpt2-xl"):
+            for length in (256, 512):
+                for n in ranks:
+                    cells = [expected_memory(script, preset, length, n, ckpt) for ckpt in (0, 1)]
+                    text = [f"{gib:.1f}" + ("*" if ph == "sample" else "") for gib, ph in cells]
+                    name = f"{preset.removeprefix('gpt2-')} {length}, {n} GPU" + "s" * (n > 1)
+                    row[name] = " / ".join(text)
+        rows.append(row)
     return rows
 
 
@@ -525,35 +596,26 @@ def bench_prompts(args: Args, device, sync) -> list[dict]:
 
 
 def memory_worker(args: Args):
-    """One rank: the four models built and sharded as the scripts do (full init on every rank, then
-    FSDP2), a no-grad forward of reference and reward, one Adam step of policy and value; then this
-    rank's bytes."""
-    from torch.distributed.fsdp import FSDPModule
-
+    """One rank: the policy built in full (as every rank of the scripts does), sharded as they
+    shard it, one forward + backward + fused AdamW step at --memory_shape; then its bytes."""
     rank, world_size, device = setup_distributed()
+    B, T = parse_shape(args.memory_shape, 2, "memory_shape")
     cfg = config(args.memory_preset)
     torch.manual_seed(args.seed)
-    scalar = lambda: gpt2.ScalarModel(gpt2.GPT(cfg))  # the value and reward models
-    models = policy, value, ref, reward = gpt2.GPT(cfg), scalar(), gpt2.GPT(cfg), scalar()
-    for model in models:
-        shard_model(model.to(device), device, bf16=device.type == "cuda")
-    ref.requires_grad_(False), reward.requires_grad_(False)
-    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-6, fused=True) for m in (policy, value)]
-    idx = torch.randint(0, cfg.vocab_size, (2, 32), device=device)
-    with torch.no_grad():
-        ref(idx), reward(idx, None)
-    (policy(idx).float().logsumexp(-1).mean() + value(idx, None).mean()).backward()
-    for opt in optimizers:
-        opt.step()
+    policy = gpt2.GPT(cfg).to(device)
+    built_rss = rss()
+    shard(policy, device, bf16=device.type == "cuda")
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True)
+    idx = torch.randint(0, cfg.vocab_size, (B, T), device=device)
+    logits = policy(idx)  # (B, T, V)
+    F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
+    del logits
+    optimizer.step()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard here
     nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)
-    # FSDP2 keeps a root unit (wte, wpe, ln_f, score) gathered after a forward that has no backward
-    # (reference, reward): measure the parameters as left, then at rest, after resharding every unit
-    stats = dict(gathered=nbytes(p for m in models for p in m.parameters()))
-    for unit in [u for m in models for u in m.modules() if isinstance(u, FSDPModule)]:
-        unit.reshard()
-    stats["params"] = nbytes(p for m in models for p in m.parameters())
-    states = [s for o in optimizers for s in o.state.values()]
+    stats = dict(params=nbytes(policy.parameters()), built_rss=built_rss)
+    stats["grads"] = nbytes(p.grad for p in policy.parameters() if p.grad is not None)
+    states = optimizer.state.values()
     stats["adam"] = nbytes(t for s in states for t in s.values() if t.dim() > 0)
     stats["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     if device.type == "cuda":
@@ -563,6 +625,12 @@ def memory_worker(args: Args):
     if rank == 0:
         print("MEMORY_JSON " + json.dumps(gathered), flush=True)
     dist.destroy_process_group()
+
+
+def rss():
+    """This process's resident set now, in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def bench_cuda(args: Args, device, sync) -> list[dict]:
@@ -630,7 +698,8 @@ def main(args: Args):
         elif section == "generate":
             results[section] = bench_generate(args, device, sync, meta)
         elif section == "memory":
-            results[section] = bench_memory(args, device)
+            results[section], results["expected"] = bench_memory(args, device)
+            print(f"\n{NOTES['expected']}\n\n{markdown(results['expected'])}", flush=True)
         elif section == "optimizer":
             results[section] = bench_optimizer(args, device, sync)
         elif section == "gemm":
