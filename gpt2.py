@@ -135,6 +135,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    hooks = True  # False inside `unsharded`: the blocks are called without FSDP2's hooks
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
@@ -163,9 +165,8 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx, attention_mask=None, kv_cache=None, hidden=False, keep_from=0):
-        """idx (B, T); attention_mask (B, pos + T), 1 = real token, None = no padding, after `pos`
-        steps in kv_cache. Returns logits (B, T', V), or hidden states (B, T', C), of positions
-        keep_from.. only. No dropout: a token's log-prob must not change between passes."""
+        """idx (B, T), attention_mask (B, pos + T) after pos cached steps (None: no padding) -> the
+        logits (B, T', V) or hidden states of positions keep_from.. (no dropout: RL needs them)."""
         (B, T), device = idx.shape, idx.device
         pos = 0 if attention_mask is None else attention_mask.size(1) - T
         if pos + T > self.config.block_size:
@@ -188,6 +189,8 @@ class GPT(nn.Module):
             cache = None if kv_cache is None else kv_cache[i]
             if checkpointing:
                 x = checkpoint(block, x, attn_mask, cache, pos, use_reentrant=False)
+            elif not self.hooks:  # as FSDP2 would, in the blocks' dtype
+                x = block.forward(x.to(block.ln_1.weight.dtype), attn_mask, cache, pos)
             else:
                 x = block(x, attn_mask, cache, pos)
         x = x[:, keep_from:].float() if self.fp32_head else x[:, keep_from:]
@@ -206,8 +209,8 @@ class GPT(nn.Module):
 
 
 class ScalarModel(GPT):
-    """GPT-2 with a scalar head (reward, value): scores (B, T') = gain * score(h) + bias. Its state
-    dict is GPT-2's plus `score.*`; gain and bias come from reward normalisation (config.json)."""
+    """GPT-2 with a scalar head (reward, value): gain * score(h) + bias, gain and bias set by reward
+    normalisation and kept in config.json; its state dict is GPT-2's plus `score.*`."""
 
     def __init__(self, backbone: GPT, gain: float = 1.0, bias: float = 0.0):
         nn.Module.__init__(self)  # GPT.__init__ would build a second backbone
@@ -256,17 +259,17 @@ def trim_padding(query, response, pad_token_id, eos_token_id=None):
 
 @contextmanager
 def unsharded(model):
-    """Under FSDP2, gather the parameters once for a whole generation, not once per token."""
+    """Under FSDP2: the parameters gathered once for a whole generation, the blocks hook-free."""
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in fsdp:
         m.unshard()
-        m.set_reshard_after_forward(False, recurse=False)
+    model.hooks = False
     try:
         yield
-    finally:  # FSDP2's defaults: blocks reshard after forward, the root stays gathered
+    finally:
+        model.hooks = True
         for m in fsdp:
             m.reshard()
-            m.set_reshard_after_forward(m is not model, recurse=False)
 
 
 def sample_token(logits, u, temperature=1.0):
@@ -433,7 +436,6 @@ def _resolve(name):
     return path
 
 
-# ----------------------------------------------------------------------------------------------
 # ---- CPU speed: the fp32 GEMM library and the allocator (nothing here runs on GPU)
 
 

@@ -255,3 +255,15 @@ def test_onednn_gemms_equal_torch_gemms(monkeypatch, n_logits):
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=n)
     assert torch.equal(r0, r1)
+
+
+@torch.no_grad()
+def test_generate_calls_the_blocks_without_hooks():
+    """Under FSDP2 a hook runs around every block at every token, which makes decoding bound by the
+    CPU: generate gathers the weights once (`unsharded`) and calls the blocks directly."""
+    model, query, calls = tiny_model(), batch()[1], []
+    model.transformer.h[0].register_forward_pre_hook(lambda *args: calls.append(1))
+    gpt2.generate(model, query, PAD, 5, temperature=0.0)
+    assert calls == [] and model.hooks  # and back to normal afterwards
+    model(query)
+    assert calls == [1]
