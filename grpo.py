@@ -49,88 +49,47 @@ import gpt2
 
 @dataclass
 class Args:
-    model: str = "runs/sft/latest"
-    """policy to start from: a checkpoint dir (`python sft.py` writes one), a preset or `tiny`"""
-    ref_model: str = ""
-    """frozen reference of the KL term; default a copy of the starting --model (none at beta 0)"""
-    data: str = "arithmetic"
-    """`arithmetic` (the built-in offline task) or a directory with prompt_{train,test} splits"""
-    reward_model: str = ""
-    """a reward model dir written by reward.py; its normalised score adds to the verifier's"""
-    verifier: bool = True
-    """score with the task's verifier (1 correct / 0 wrong); --no-verifier: the reward model only"""
-    out_dir: str = ""
-    """run directory; default a fresh runs/grpo/<time>-s<seed>"""
-    overwrite: bool = False
-    """delete the run already in --out_dir and start afresh"""
-    resume: bool = False
-    """continue the run in --out_dir from its last complete checkpoint"""
-    seed: int = 1
-    """seed of the prompt order, the sampling and the minibatch split (the same on every rank)"""
-    lr: float = 1e-5
-    """learning rate (constant); 1e-5 suits the tiny SFT model, ~1e-6 pretrained GPT-2"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold on the global gradient norm"""
-    total_episodes: int = 51200
-    """responses sampled over the run: steps = total_episodes / (prompts x samples per step)"""
-    num_prompts_per_step: int = 32
-    """prompts per step, over all ranks"""
-    num_samples_per_prompt: int = 8
-    """group size G: responses per prompt (>= 2: the group is the baseline)"""
-    num_minibatches: int = 4
-    """optimizer steps per epoch over a batch (each minibatch takes a share of every group)"""
-    num_epochs: int = 1
-    """PPO epochs over each batch of samples (DeepSeekMath: 1)"""
-    micro_batch_size: int = 64
-    """sequences per forward pass on one rank (accumulation does the rest)"""
-    response_length: int = 16
-    """max new tokens per response"""
-    temperature: float = 1.0
-    """sampling temperature; the loss uses log-probs of logits / temperature, as sampled"""
-    beta: float = 0.0
-    """KL coefficient (DeepSeekMath: 0.04); 0: no KL term and no reference (DAPO, Dr. GRPO)"""
-    kl_estimator: str = "k3"
-    """per-token KL estimate in the loss: k1, k2, k3 (DeepSeekMath) or k4 (unbiased gradient)"""
-    clip_eps_low: float = 0.2
-    """the ratio is clipped below at 1 - clip_eps_low (PPO: 0.2)"""
-    clip_eps_high: float = 0.2
-    """the ratio is clipped above at 1 + clip_eps_high (PPO: 0.2; DAPO's clip-higher: 0.28)"""
-    importance_level: str = "token"
-    """`token` (one ratio per token) or `sequence` (GSPO: one per response)"""
-    advantage: str = "grpo"
-    """`grpo`: r - mean(group) [/ std]; `rloo`: r_i - mean of the other G - 1 rewards"""
-    scale_rewards_by_std: bool = True
-    """divide the group-centred rewards by the group std (GRPO; Dr. GRPO does not)"""
-    batch_norm_advantages: bool = False
-    """whiten the advantages once more over the global batch"""
-    loss_aggregation: str = "token"
-    """`token` (DAPO), `sequence` (mean per response, DeepSeekMath) or `dr_grpo` (a constant)"""
-    mask_truncated: bool = False
-    """leave responses without a stop token out of the loss (DAPO's overlong filtering)"""
-    missing_eos_penalty: float | None = None
-    """subtract this from the score of a response that never emits the stop token"""
-    dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal, refill the batch with fresh prompts (DAPO)"""
-    max_sampling_rounds: int = 4
-    """--dynamic_sampling: extra rounds per step at most; then masked groups top the batch up"""
-    recompute_old_logprobs: bool = False
-    """pi_old from a forward pass before the update, not the sampler's (minibatch 1: its own)"""
-    eval_every: int = 50
-    """steps between evals (greedy accuracy on prompt_test) and checkpoints"""
-    eval_size: int = 500
-    """held-out prompts for the eval accuracy (0: no eval)"""
-    log_every: int = 1
-    """steps between status lines and metrics rows"""
-    keep_checkpoints: int = 2
-    """resumable checkpoints kept in out_dir/checkpoints"""
-    dtype: str = "auto"
-    """`auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`"""
-    compile: bool = False
-    """torch.compile the policy for the loss's forward passes"""
-    activation_checkpointing: bool = False
-    """recompute block activations in backward to save memory"""
-    wandb: bool = False
-    """also log to Weights & Biases (imported only when set)"""
+    model: str = "runs/sft/latest"  # policy to start from: an SFT run dir, a preset or `tiny`
+    ref_model: str = ""  # reference of the KL term; default the starting --model
+    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
+    reward_model: str = ""  # reward model dir from reward.py; adds to the verifier's score
+    verifier: bool = True  # score with the task's verifier (1 correct, 0 wrong)
+    out_dir: str = ""  # run directory; default a fresh runs/grpo/<time>-s<seed>
+    overwrite: bool = False  # delete the run already in --out_dir and start afresh
+    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
+    seed: int = 1  # seed of prompt order, sampling and minibatches
+    lr: float = 1e-5  # learning rate (constant; pretrained GPT-2: ~1e-6)
+    max_grad_norm: float = 1.0  # gradient clipping threshold on the global gradient norm
+    total_episodes: int = 51200  # responses sampled over the run
+    num_prompts_per_step: int = 32  # prompts per step, over all ranks
+    num_samples_per_prompt: int = 8  # group size G: responses per prompt (>= 2)
+    num_minibatches: int = 4  # optimizer steps per epoch (each takes a share of every group)
+    num_epochs: int = 1  # PPO epochs over each batch of samples (DeepSeekMath: 1)
+    micro_batch_size: int = 64  # sequences per forward pass on one rank
+    response_length: int = 16  # max new tokens per response
+    temperature: float = 1.0  # sampling temperature; the loss's log-probs use it too
+    beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
+    kl_estimator: str = "k3"  # per-token KL estimate: k1, k2, k3 (DeepSeekMath) or k4
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low (PPO: 0.2)
+    clip_eps_high: float = 0.2  # ratio clipped above at 1 + this (DAPO: 0.28)
+    importance_level: str = "token"  # `token` ratios or `sequence` (GSPO)
+    advantage: str = "grpo"  # `grpo` (r - group mean [/ std]) or `rloo` (leave one out)
+    scale_rewards_by_std: bool = True  # divide by the group's std (GRPO; Dr. GRPO does not)
+    batch_norm_advantages: bool = False  # whiten the advantages once more over the global batch
+    loss_aggregation: str = "token"  # `token` (DAPO), `sequence` (DeepSeekMath) or `dr_grpo`
+    mask_truncated: bool = False  # leave responses with no stop token out of the loss (DAPO)
+    missing_eos_penalty: float | None = None  # subtracted from the score of a response with no stop
+    dynamic_sampling: bool = False  # resample groups with equal rewards (DAPO)
+    max_sampling_rounds: int = 4  # --dynamic_sampling's extra rounds per step at most
+    recompute_old_logprobs: bool = False  # π_old from a forward pass, not the sampler's
+    eval_every: int = 50  # steps between evals (greedy accuracy on prompt_test) and checkpoints
+    eval_size: int = 500  # held-out prompts for the eval accuracy (0: no eval)
+    log_every: int = 1  # steps between status lines and metrics rows
+    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints
+    dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
+    compile: bool = False  # torch.compile the policy for the loss's forward passes
+    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
+    wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +228,8 @@ def main(args: Args):
     local_prompts = exact_div(num_prompts, world_size, "--num_prompts_per_step or the ranks")
     local_batch_size = local_prompts * G
     share = exact_div(G, args.num_minibatches, "--num_minibatches")  # of each group, a minibatch
-    micro_batch_size = micro_batches(local_prompts * share, args.micro_batch_size)[0]
+    micro_batch_size = min(args.micro_batch_size, local_prompts * share)
+    exact_div(local_prompts * share, micro_batch_size, "--micro_batch_size")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     torch.manual_seed(args.seed)
@@ -292,13 +252,13 @@ def main(args: Args):
     ref_policy = reward_model = None
     if args.beta > 0 or args.ref_model:
         ref_policy = gpt2.load(args.ref_model, meta) if args.ref_model else copy.deepcopy(policy)
-        ref_policy = freeze(ref_policy, device, bf16)
+        ref_policy = shard(ref_policy, device, bf16, frozen=True)
     if args.reward_model:
-        reward_model = freeze(gpt2.load(args.reward_model, meta, head="saved"), device, bf16)
+        reward_model = shard(
+            gpt2.load(args.reward_model, meta, head="saved"), device, bf16, frozen=True
+        )
     policy.activation_checkpointing = args.activation_checkpointing
-    policy.to(device)
-    if dist.is_initialized():
-        shard(policy, device, bf16)
+    shard(policy, device, bf16)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     forward_model = torch.compile(policy) if args.compile else policy
     args.out_dir = start_run(args, "grpo")
@@ -483,21 +443,13 @@ SHOW = ("objective/scores", "objective/kl", "eval/accuracy", "perf/episodes_per_
 RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
 MASTER = os.environ.get("RANK", "0") == "0"
 SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
-LOCKS = []  # the run directory's flock, held until the process ends
+LOCK = []  # the run dir's flock, released when the process ends, even when killed
 
 
 def exact_div(a, b, flags):
     if b <= 0 or a % b:
         raise RunError(f"{a} does not divide by {b}: change {flags}")
     return a // b
-
-
-def micro_batches(local_batch_size, micro_batch_size):
-    """(micro-batch size, micro-batches per step): at most the per-rank batch, which it divides."""
-    if micro_batch_size > local_batch_size and MASTER:
-        print(f"--micro_batch_size {micro_batch_size} > per-rank batch: using {local_batch_size}")
-    micro_batch_size = min(micro_batch_size, local_batch_size)
-    return micro_batch_size, exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
 
 
 def setup_distributed():
@@ -507,8 +459,7 @@ def setup_distributed():
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if "RANK" in os.environ:
-        if cuda:
-            torch.cuda.set_device(device)
+        torch.cuda.set_device(device) if cuda else None
         # a long save on rank 0 must not time out the other ranks' wait
         timeout = datetime.timedelta(hours=2)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
@@ -516,23 +467,21 @@ def setup_distributed():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def shard(model, device, bf16):
-    """FSDP2: blocks, then the root (tied wte, lm_head) in fp32 for the fp32 head; bf16 blocks."""
+def shard(model, device, bf16, frozen=False):
+    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
+    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
+    if frozen:
+        model.eval().requires_grad_(False)
+    if not dist.is_initialized():  # one process: autocast does bf16 and keeps LayerNorms fp32
+        return model.to(device)
+    if bf16 and frozen:
+        model.transformer.h.to(torch.bfloat16)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
-
-
-def freeze(model, device, bf16):
-    """A model not trained (reference, reward): no gradients; bf16 blocks under FSDP2."""
-    model.eval().requires_grad_(False)
-    if bf16 and dist.is_initialized():  # in one process autocast keeps LayerNorms in fp32
-        model.transformer.h.to(torch.bfloat16)
-    model.to(device)
-    return shard(model, device, bf16) if dist.is_initialized() else model
 
 
 def all_reduce(x):
@@ -543,16 +492,13 @@ def all_reduce(x):
 
 
 def start_run(args, algo):
-    """The run directory, claimed by rank 0 (fresh, or --out_dir with --resume or --overwrite)."""
-    out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
-    while MASTER and not args.out_dir and os.path.exists(out_dir):  # two runs in one second
-        out_dir += "x"
-    box = [out_dir, None]
-    try:
-        if MASTER:
-            claim_run_dir(out_dir, args)
-    except RunError as e:
-        box[1] = e
+    """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
+    box = [args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}", None]
+    if MASTER:
+        try:
+            claim_run_dir(box[0], args)
+        except RunError as e:
+            box[1] = e
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     if box[1]:
@@ -567,64 +513,44 @@ def start_run(args, algo):
 def claim_run_dir(out_dir, args):
     if args.resume and not args.out_dir:
         raise RunError("--resume needs --out_dir DIR: the run to continue")
+    if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
+        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
     try:
-        os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
-        LOCKS.append(open(os.path.join(out_dir, ".lock"), "w"))
-        fcntl.flock(LOCKS[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
+        LOCK.append(open(f"{out_dir}/.lock", "w"))
+        fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise RunError(f"another run is writing to '{out_dir}': pass another --out_dir") from None
     except OSError as e:
         raise RunError(
             f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
         ) from None
-    if os.path.exists(os.path.join(out_dir, "args.json")) and not (args.resume or args.overwrite):
-        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
-    stale = glob.glob(os.path.join(out_dir, "checkpoints", ".tmp_*"))  # from a killed save
-    if args.overwrite and not args.resume:
-        stale += glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
-        open(os.path.join(out_dir, "metrics.jsonl"), "w").close()
-    for path in stale:
-        shutil.rmtree(path)
-    with open(os.path.join(out_dir, "args.json"), "w") as f:
+    if not args.resume:  # a fresh run, or --overwrite
+        shutil.rmtree(f"{out_dir}/checkpoints")
+        os.makedirs(f"{out_dir}/checkpoints")
+    open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
+    with open(f"{out_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
     print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
 
 
-def finish_run(args, algo):
-    """After the final save: point runs/<algo>/latest, where the next stage looks, at it; exit."""
-    if MASTER:
-        print(f"saved {args.out_dir}/model.safetensors", flush=True)
-    if MASTER and args.out_dir == os.path.join("runs", algo, os.path.basename(args.out_dir)):
-        link = os.path.join("runs", algo, "latest")
-        os.symlink(os.path.basename(args.out_dir), link + ".tmp")
-        os.replace(link + ".tmp", link)
-    if MASTER and "wandb" in sys.modules:
-        sys.modules["wandb"].finish()
-    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)
-
-
 def checkpoint(args, step, models, due, extra=None):
-    """Every step, on every rank: save checkpoints/step_N (models {name: (model, optimizer)}, state
-    on CPU, built in a temp dir, then renamed) when due or on SIGTERM to any rank, then stop."""
+    """Every step, on every rank: when due, or after a SIGTERM to any rank (then stop), write
+    checkpoints/step_N: models {name: (model, optimizer)} and `extra`, in a temp dir renamed."""
     device = next(next(iter(models.values()))[0].parameters()).device
     stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
     if not (due or stop):
         return
-    root = os.path.join(args.out_dir, "checkpoints")
-    tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
-    state = dict(step=step, **(extra or {}))
+    root, state = f"{args.out_dir}/checkpoints", dict(step=step, **(extra or {}))
     for name, (model, optimizer) in models.items():
-        gpt2.save(model, os.path.join(tmp, name))
+        gpt2.save(model, f"{root}/.tmp/{name}")
         options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
         state[name] = dcp.get_optimizer_state_dict(model, optimizer, options=options)
-    if MASTER:
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
-        os.replace(tmp, final)
-        for old in sorted(glob.glob(os.path.join(root, "step_*")))[: -args.keep_checkpoints]:
+    if MASTER:  # a save killed midway leaves .tmp, never a partial step_N
+        torch.save(state, f"{root}/.tmp/state.pt")
+        shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
+        os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
+        for old in sorted(glob.glob(f"{root}/step_*"))[: -args.keep_checkpoints]:
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()
@@ -635,32 +561,28 @@ def checkpoint(args, step, models, due, extra=None):
 
 
 def load_checkpoint(out_dir, models):
-    """--resume: rank 0 picks the newest whole checkpoint; all ranks load it, at any world size."""
+    """--resume: the newest checkpoint rank 0 can read, loaded by all ranks at any world size."""
     box = [None]
-    paths = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*")), reverse=True)
-    for path in paths if MASTER else []:
-        try:
-            torch.load(os.path.join(path, "state.pt"), "cpu", weights_only=True)
-            for name in models:
-                load_file(os.path.join(path, name, "model.safetensors"))
-            box = [path]
+    for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
+        try:  # safetensors and torch.load raise many kinds of error on a damaged file
+            [load_file(f"{path}/{name}/model.safetensors") for name in models]
+            box = [path, torch.load(f"{path}/state.pt", weights_only=True)][:1]
             break
-        except Exception as e:  # safetensors and torch.load raise many kinds on a damaged file
+        except Exception as e:
             print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__})", flush=True)
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     if box[0] is None:
         raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
-    state = torch.load(os.path.join(box[0], "state.pt"), "cpu", weights_only=True)
+    state = torch.load(f"{box[0]}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
-        gpt2.load_weights(model, os.path.join(box[0], name))
+        gpt2.load_weights(model, f"{box[0]}/{name}")
         options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
         dcp.set_optimizer_state_dict(model, optimizer, state[name], options=options)
     if MASTER:  # the rows a killed run logged after this checkpoint are logged again
         print(f"resumed from {box[0]} at step {state['step']}", flush=True)
-        metrics = os.path.join(out_dir, "metrics.jsonl")
-        rows = open(metrics).readlines() if os.path.isfile(metrics) else []
-        with open(metrics, "w") as f:
+        rows = open(f"{out_dir}/metrics.jsonl").readlines()
+        with open(f"{out_dir}/metrics.jsonl", "w") as f:
             f.writelines(r for r in rows if json.loads(r)["step"] <= state["step"])
     return state
 
@@ -668,12 +590,21 @@ def load_checkpoint(out_dir, models):
 def log_metrics(out_dir, step, metrics, show):
     """Rank 0: one JSON row in metrics.jsonl (every metric) and one status line (`show`)."""
     if MASTER:
-        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        with open(f"{out_dir}/metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         status = " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics)
         print(f"step {step:5d} | {status}", flush=True)
+        if "wandb" in sys.modules:
+            sys.modules["wandb"].log(metrics, step=step)
+
+
+def finish_run(args, algo):
+    """After the final save: runs/<algo>/latest, where the next stage looks, points at this run."""
+    if MASTER and os.path.dirname(args.out_dir) == f"runs/{algo}":
+        os.symlink(os.path.basename(args.out_dir), f"runs/{algo}/latest.tmp")
+        os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
-        sys.modules["wandb"].log(metrics, step=step)
+        sys.modules["wandb"].finish()
 
 
 if __name__ == "__main__":

@@ -46,52 +46,29 @@ import gpt2
 
 @dataclass
 class Args:
-    model: str = "tiny"
-    """`tiny` (random init), a GPT-2 preset (`gpt2`, ... pretrained) or a checkpoint directory"""
-    data: str = "arithmetic"
-    """`arithmetic` (the built-in offline task) or a directory written by `python -m data.prep`"""
-    out_dir: str = ""
-    """run directory; default a fresh runs/sft/<time>-s<seed>"""
-    overwrite: bool = False
-    """delete the run already in --out_dir and start afresh"""
-    resume: bool = False
-    """continue the run in --out_dir from its last complete checkpoint"""
-    seed: int = 1
-    """seed of the init and the data order (the same on every rank)"""
-    lr: float = 3e-3
-    """peak learning rate (3e-3 suits the tiny model from scratch, ~1e-5 pretrained GPT-2)"""
-    warmup_steps: int = 100
-    """linear warmup steps, then cosine decay to lr * min_lr_ratio"""
-    min_lr_ratio: float = 0.1
-    """the final learning rate as a fraction of lr"""
-    weight_decay: float = 0.0
-    """AdamW weight decay on matrices (not on biases and LayerNorms)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold on the global gradient norm"""
-    total_steps: int = 1000
-    """optimizer steps"""
-    batch_size: int = 128
-    """sequences per optimizer step, over all ranks"""
-    micro_batch_size: int = 32
-    """sequences per forward pass on one rank (accumulation does the rest)"""
-    response_length: int = 16
-    """max new tokens when generating for eval accuracy"""
-    eval_every: int = 100
-    """steps between evals and checkpoints"""
-    eval_size: int = 500
-    """held-out examples for the eval loss and accuracy (0: no eval)"""
-    log_every: int = 10
-    """steps between status lines and metrics rows"""
-    keep_checkpoints: int = 2
-    """resumable checkpoints kept in out_dir/checkpoints"""
-    dtype: str = "auto"
-    """`auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`"""
-    compile: bool = False
-    """torch.compile the model"""
-    activation_checkpointing: bool = False
-    """recompute block activations in backward to save memory"""
-    wandb: bool = False
-    """also log to Weights & Biases (imported only when set)"""
+    model: str = "tiny"  # `tiny` (random init), a GPT-2 preset (pretrained) or a checkpoint dir
+    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
+    out_dir: str = ""  # run directory; default a fresh runs/sft/<time>-s<seed>
+    overwrite: bool = False  # delete the run already in --out_dir and start afresh
+    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
+    seed: int = 1  # seed of the init and the data order (the same on every rank)
+    lr: float = 3e-3  # peak learning rate (tiny from scratch: 3e-3; pretrained GPT-2: ~1e-5)
+    warmup_steps: int = 100  # linear warmup steps, then cosine decay to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # the final learning rate as a fraction of lr
+    weight_decay: float = 0.0  # AdamW weight decay on matrices (not on biases and LayerNorms)
+    max_grad_norm: float = 1.0  # gradient clipping threshold on the global gradient norm
+    total_steps: int = 1000  # optimizer steps
+    batch_size: int = 128  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 32  # sequences per forward pass on one rank
+    response_length: int = 16  # max new tokens when generating for eval accuracy
+    eval_every: int = 100  # steps between evals and checkpoints
+    eval_size: int = 500  # held-out examples for the eval loss and accuracy (0: no eval)
+    log_every: int = 10  # steps between status lines and metrics rows
+    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints
+    dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
+    compile: bool = False  # torch.compile the model
+    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
+    wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +105,8 @@ def main(args: Args):
     # 1. sizes, distributed setup, seeds
     rank, world_size, device = setup_distributed()
     local_batch_size = exact_div(args.batch_size, world_size, "--batch_size or the number of ranks")
-    micro_batch_size, grad_accum = micro_batches(local_batch_size, args.micro_batch_size)
+    micro_batch_size = min(args.micro_batch_size, local_batch_size)
+    grad_accum = exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     torch.manual_seed(args.seed)
@@ -148,9 +126,7 @@ def main(args: Args):
     if length > model.config.block_size:
         raise RunError(f"prompt + response ({length} tokens) exceed the context: prep shorter")
     model.activation_checkpointing = args.activation_checkpointing
-    model.to(device)
-    if dist.is_initialized():
-        shard(model, device, bf16)
+    shard(model, device, bf16)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -255,21 +231,13 @@ SHOW = ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_sec")  # th
 RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
 MASTER = os.environ.get("RANK", "0") == "0"
 SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
-LOCKS = []  # the run directory's flock, held until the process ends
+LOCK = []  # the run dir's flock, released when the process ends, even when killed
 
 
 def exact_div(a, b, flags):
     if b <= 0 or a % b:
         raise RunError(f"{a} does not divide by {b}: change {flags}")
     return a // b
-
-
-def micro_batches(local_batch_size, micro_batch_size):
-    """(micro-batch size, micro-batches per step): at most the per-rank batch, which it divides."""
-    if micro_batch_size > local_batch_size and MASTER:
-        print(f"--micro_batch_size {micro_batch_size} > per-rank batch: using {local_batch_size}")
-    micro_batch_size = min(micro_batch_size, local_batch_size)
-    return micro_batch_size, exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
 
 
 def setup_distributed():
@@ -279,8 +247,7 @@ def setup_distributed():
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if "RANK" in os.environ:
-        if cuda:
-            torch.cuda.set_device(device)
+        torch.cuda.set_device(device) if cuda else None
         # a long save on rank 0 must not time out the other ranks' wait
         timeout = datetime.timedelta(hours=2)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
@@ -288,23 +255,21 @@ def setup_distributed():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def shard(model, device, bf16):
-    """FSDP2: blocks, then the root (tied wte, lm_head) in fp32 for the fp32 head; bf16 blocks."""
+def shard(model, device, bf16, frozen=False):
+    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
+    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
+    if frozen:
+        model.eval().requires_grad_(False)
+    if not dist.is_initialized():  # one process: autocast does bf16 and keeps LayerNorms fp32
+        return model.to(device)
+    if bf16 and frozen:
+        model.transformer.h.to(torch.bfloat16)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
-
-
-def freeze(model, device, bf16):
-    """A model not trained (reference, reward): no gradients; bf16 blocks under FSDP2."""
-    model.eval().requires_grad_(False)
-    if bf16 and dist.is_initialized():  # in one process autocast keeps LayerNorms in fp32
-        model.transformer.h.to(torch.bfloat16)
-    model.to(device)
-    return shard(model, device, bf16) if dist.is_initialized() else model
 
 
 def all_reduce(x):
@@ -315,16 +280,13 @@ def all_reduce(x):
 
 
 def start_run(args, algo):
-    """The run directory, claimed by rank 0 (fresh, or --out_dir with --resume or --overwrite)."""
-    out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
-    while MASTER and not args.out_dir and os.path.exists(out_dir):  # two runs in one second
-        out_dir += "x"
-    box = [out_dir, None]
-    try:
-        if MASTER:
-            claim_run_dir(out_dir, args)
-    except RunError as e:
-        box[1] = e
+    """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
+    box = [args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}", None]
+    if MASTER:
+        try:
+            claim_run_dir(box[0], args)
+        except RunError as e:
+            box[1] = e
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     if box[1]:
@@ -339,64 +301,44 @@ def start_run(args, algo):
 def claim_run_dir(out_dir, args):
     if args.resume and not args.out_dir:
         raise RunError("--resume needs --out_dir DIR: the run to continue")
+    if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
+        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
     try:
-        os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
-        LOCKS.append(open(os.path.join(out_dir, ".lock"), "w"))
-        fcntl.flock(LOCKS[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
+        LOCK.append(open(f"{out_dir}/.lock", "w"))
+        fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise RunError(f"another run is writing to '{out_dir}': pass another --out_dir") from None
     except OSError as e:
         raise RunError(
             f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
         ) from None
-    if os.path.exists(os.path.join(out_dir, "args.json")) and not (args.resume or args.overwrite):
-        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
-    stale = glob.glob(os.path.join(out_dir, "checkpoints", ".tmp_*"))  # from a killed save
-    if args.overwrite and not args.resume:
-        stale += glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
-        open(os.path.join(out_dir, "metrics.jsonl"), "w").close()
-    for path in stale:
-        shutil.rmtree(path)
-    with open(os.path.join(out_dir, "args.json"), "w") as f:
+    if not args.resume:  # a fresh run, or --overwrite
+        shutil.rmtree(f"{out_dir}/checkpoints")
+        os.makedirs(f"{out_dir}/checkpoints")
+    open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
+    with open(f"{out_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
     print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
 
 
-def finish_run(args, algo):
-    """After the final save: point runs/<algo>/latest, where the next stage looks, at it; exit."""
-    if MASTER:
-        print(f"saved {args.out_dir}/model.safetensors", flush=True)
-    if MASTER and args.out_dir == os.path.join("runs", algo, os.path.basename(args.out_dir)):
-        link = os.path.join("runs", algo, "latest")
-        os.symlink(os.path.basename(args.out_dir), link + ".tmp")
-        os.replace(link + ".tmp", link)
-    if MASTER and "wandb" in sys.modules:
-        sys.modules["wandb"].finish()
-    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)
-
-
 def checkpoint(args, step, models, due, extra=None):
-    """Every step, on every rank: save checkpoints/step_N (models {name: (model, optimizer)}, state
-    on CPU, built in a temp dir, then renamed) when due or on SIGTERM to any rank, then stop."""
+    """Every step, on every rank: when due, or after a SIGTERM to any rank (then stop), write
+    checkpoints/step_N: models {name: (model, optimizer)} and `extra`, in a temp dir renamed."""
     device = next(next(iter(models.values()))[0].parameters()).device
     stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
     if not (due or stop):
         return
-    root = os.path.join(args.out_dir, "checkpoints")
-    tmp, final = os.path.join(root, f".tmp_step_{step:08d}"), os.path.join(root, f"step_{step:08d}")
-    state = dict(step=step, **(extra or {}))
+    root, state = f"{args.out_dir}/checkpoints", dict(step=step, **(extra or {}))
     for name, (model, optimizer) in models.items():
-        gpt2.save(model, os.path.join(tmp, name))
+        gpt2.save(model, f"{root}/.tmp/{name}")
         options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
         state[name] = dcp.get_optimizer_state_dict(model, optimizer, options=options)
-    if MASTER:
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
-        os.replace(tmp, final)
-        for old in sorted(glob.glob(os.path.join(root, "step_*")))[: -args.keep_checkpoints]:
+    if MASTER:  # a save killed midway leaves .tmp, never a partial step_N
+        torch.save(state, f"{root}/.tmp/state.pt")
+        shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
+        os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
+        for old in sorted(glob.glob(f"{root}/step_*"))[: -args.keep_checkpoints]:
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()
@@ -407,32 +349,28 @@ def checkpoint(args, step, models, due, extra=None):
 
 
 def load_checkpoint(out_dir, models):
-    """--resume: rank 0 picks the newest whole checkpoint; all ranks load it, at any world size."""
+    """--resume: the newest checkpoint rank 0 can read, loaded by all ranks at any world size."""
     box = [None]
-    paths = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*")), reverse=True)
-    for path in paths if MASTER else []:
-        try:
-            torch.load(os.path.join(path, "state.pt"), "cpu", weights_only=True)
-            for name in models:
-                load_file(os.path.join(path, name, "model.safetensors"))
-            box = [path]
+    for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
+        try:  # safetensors and torch.load raise many kinds of error on a damaged file
+            [load_file(f"{path}/{name}/model.safetensors") for name in models]
+            box = [path, torch.load(f"{path}/state.pt", weights_only=True)][:1]
             break
-        except Exception as e:  # safetensors and torch.load raise many kinds on a damaged file
+        except Exception as e:
             print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__})", flush=True)
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     if box[0] is None:
         raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
-    state = torch.load(os.path.join(box[0], "state.pt"), "cpu", weights_only=True)
+    state = torch.load(f"{box[0]}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
-        gpt2.load_weights(model, os.path.join(box[0], name))
+        gpt2.load_weights(model, f"{box[0]}/{name}")
         options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
         dcp.set_optimizer_state_dict(model, optimizer, state[name], options=options)
     if MASTER:  # the rows a killed run logged after this checkpoint are logged again
         print(f"resumed from {box[0]} at step {state['step']}", flush=True)
-        metrics = os.path.join(out_dir, "metrics.jsonl")
-        rows = open(metrics).readlines() if os.path.isfile(metrics) else []
-        with open(metrics, "w") as f:
+        rows = open(f"{out_dir}/metrics.jsonl").readlines()
+        with open(f"{out_dir}/metrics.jsonl", "w") as f:
             f.writelines(r for r in rows if json.loads(r)["step"] <= state["step"])
     return state
 
@@ -440,12 +378,21 @@ def load_checkpoint(out_dir, models):
 def log_metrics(out_dir, step, metrics, show):
     """Rank 0: one JSON row in metrics.jsonl (every metric) and one status line (`show`)."""
     if MASTER:
-        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        with open(f"{out_dir}/metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         status = " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics)
         print(f"step {step:5d} | {status}", flush=True)
+        if "wandb" in sys.modules:
+            sys.modules["wandb"].log(metrics, step=step)
+
+
+def finish_run(args, algo):
+    """After the final save: runs/<algo>/latest, where the next stage looks, points at this run."""
+    if MASTER and os.path.dirname(args.out_dir) == f"runs/{algo}":
+        os.symlink(os.path.basename(args.out_dir), f"runs/{algo}/latest.tmp")
+        os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
-        sys.modules["wandb"].log(metrics, step=step)
+        sys.modules["wandb"].finish()
 
 
 if __name__ == "__main__":

@@ -255,7 +255,7 @@ def test_stale_temp_dir_of_a_killed_save_is_cleaned_and_resume_continues(tmp_pat
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "3", *SMALL]
     run(["--total_steps", "4", *common])
     # what a SIGKILL during the save of step 6 leaves: a half-written temp dir, never a step_ dir
-    stale = tmp_path / "checkpoints" / ".tmp_step_00000006"
+    stale = tmp_path / "checkpoints" / ".tmp"
     shutil.copytree(tmp_path / "checkpoints" / "step_00000004", stale)
     (stale / "state.pt").write_bytes(b"truncated")
     run(["--total_steps", "6", "--resume", *common])
