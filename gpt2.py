@@ -13,7 +13,7 @@ import ctypes
 import json
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions as Options
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -56,9 +57,8 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
 
-# bf16 logits and scores lose the bits that tell the sampler's log-probs from the trainer's (the
-# train/inference mismatch MiniMax-M1 traced to the LM head): ln_f, the head and scalar heads run
-# in fp32 by default. GPT2_FP32_HEAD=0 keeps them in the compute dtype.
+# bf16 logits lose the bits that tell the sampler's log-probs from the trainer's (MiniMax-M1's
+# train/inference mismatch): ln_f and the heads run in fp32 unless GPT2_FP32_HEAD=0.
 FP32_HEAD = os.environ.get("GPT2_FP32_HEAD", "1") != "0"
 # cuDNN's SDPA backward can return NaN with a mask when T % 128 == 64 (pytorch#196678)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -240,7 +240,7 @@ def get_reward(model, query, response, pad_token_id, eos_token_id):
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation and the masks of what it returns
+# Generation, the masks of what it returns, and the log-probs of given responses (for training)
 
 
 def response_mask(response, eos_token_id):
@@ -251,10 +251,12 @@ def response_mask(response, eos_token_id):
 
 def trim_padding(query, response, pad_token_id, eos_token_id=None):
     """Drop the left-pad columns every query has and the columns past every response's stop."""
-    query = query[:, int((query != pad_token_id).any(0).int().argmax()) :]
+    start = (query != pad_token_id).any(0).int().argmax()
     if eos_token_id is None:
-        return query, response
-    return query, response[:, : int(response_mask(response, eos_token_id).sum(1).max())]
+        return query[:, int(start) :], response
+    end = response_mask(response, eos_token_id).sum(1).max()
+    start, end = torch.stack([start, end]).tolist()  # one host sync for both
+    return query[:, start:], response[:, :end]
 
 
 @contextmanager
@@ -273,8 +275,7 @@ def unsharded(model):
 
 
 def sample_token(logits, u, temperature=1.0):
-    """Next token (B,) from logits (B, V): greedy at temperature 0, else inverse-CDF sampling with
-    the uniforms u (B,)."""
+    """Next token (B,) from logits (B, V): greedy at temperature 0, else inverse CDF at u (B,)."""
     if temperature == 0.0:
         return logits.argmax(-1)
     cdf = (logits.float() / temperature).softmax(-1).cumsum(-1)
@@ -324,20 +325,88 @@ def generate(
     return Rollout(query, response, mask, logprobs)
 
 
+class TokenLogProbs(torch.autograd.Function):
+    """log_softmax(logits / t) (N, V) at targets (N,) and, if asked, the entropy (N,), CHUNK logits
+    at a time; backward writes the gradient over the saved logits, so they must be a temporary."""
+
+    CHUNK = 1 << 24  # the chunks' fp32 temporaries stay small
+
+    @staticmethod
+    def forward(ctx, logits, target, t, with_entropy):
+        ctx.save_for_backward(logits, target)
+        ctx.t, ctx.n, out, entropy = t, max(1, TokenLogProbs.CHUNK // logits.size(1)), [], []
+        for x, y in zip(logits.split(ctx.n), target.split(ctx.n)):
+            logp = (x.float() / t).log_softmax(-1)  # generate's formula: the same bits
+            out.append(logp.gather(1, y[:, None]).squeeze(1))
+            entropy += [-(logp.exp() * logp).sum(-1)] if with_entropy else []
+        return torch.cat(out), torch.cat(entropy) if with_entropy else None
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, grad_entropy):
+        (logits, target), n = ctx.saved_tensors, ctx.n
+        grad_entropy = torch.zeros_like(grad) if grad_entropy is None else grad_entropy
+        for x, y, g, g_h in zip(
+            *(v.split(n) for v in (logits, target, grad[:, None], grad_entropy[:, None]))
+        ):
+            logp = (x.float() / ctx.t).log_softmax(-1)
+            p = logp.exp()
+            # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t
+            dx = p * (-g - g_h * (logp - (p * logp).sum(-1, keepdim=True)))
+            x.copy_(dx.scatter_add_(1, y[:, None], g).div_(ctx.t))
+        return logits, None, None, None
+
+
+def logprobs(model, query, response, temperature=1.0, entropy=False):
+    """Log-probs (B, Tr) fp32 of the responses' tokens after left-padded queries under logits /
+    temperature, as generate samples them, and if asked the entropy (B, Tr), else None:
+    0 past each row's stop. Pad and stop ids are model.config's. The logits are the one (B, Tr, V)
+    tensor made: TokenLogProbs works on a few rows at a time and writes its gradient over them."""
+    pad, eos = model.config.pad_token_id, model.config.eos_token_id
+    query, trimmed = trim_padding(query, response, pad, eos)  # the columns that matter
+    mask = response_mask(trimmed, eos)  # (B, Tr')
+    inputs = torch.cat([query, trimmed[:, :-1]], 1)  # token t + 1 is predicted at position t
+    attention_mask = torch.cat([query != pad, mask[:, :-1]], 1)
+    logits = model(inputs, attention_mask, keep_from=query.size(1) - 1)  # (B, Tr', V)
+    t = temperature or 1.0  # greedy's: generate's convention
+    out = TokenLogProbs.apply(logits.flatten(0, 1), trimmed.flatten().long(), t, entropy)
+    pad_to = (0, response.size(1) - mask.size(1))
+    widen = lambda x: F.pad(x.view_as(mask).masked_fill(~mask, 0), pad_to)
+    return widen(out[0]), None if out[1] is None else widen(out[1])
+
+
 # ----------------------------------------------------------------------------------------------
 # Model I/O in the Hugging Face GPT-2 safetensors layout
 
 
-def load(name, tokenizer=None, head=None):
+def load(name, tokenizer=None, head=None, shard=None):
     """`tiny` (random init), a GPT-2 preset (pretrained, downloaded once per node) or a checkpoint
     directory or file, ours or Hugging Face's. tokenizer: the data's meta (vocab_size, stop and
     pad ids); the embedding must hold its vocabulary (padded to a multiple of 128 at most).
-    head: None for a GPT; "new" or "saved" (a reward model's) for a ScalarModel."""
-    tok, tensors, config = tokenizer or {}, {}, {}
+    head: None for a GPT; "new" or "saved" (a reward model's) for a ScalarModel. shard: the
+    script's wrapper (model -> model; FSDP2 under torch.distributed, where it must leave devices to
+    fully_shard), applied before returning; under torch.distributed rank 0 alone reads (or inits)
+    the weights, the other ranks build on the meta device, and rank 0 broadcasts into the shards."""
+    rank = dist.get_rank() if shard and dist.is_initialized() else None
+    with torch.device("meta") if rank else nullcontext():  # no weights read: the header's shapes
+        model = _build(name, tokenizer or {}, head, shapes_only=bool(rank))
+    if rank is None:
+        return shard(model) if shard else model
+    state = {} if rank else model.state_dict()  # rank 0's full weights, kept past sharding
+    model = shard(model)
+    if rank:  # storage for the shards, in place: the tied wte and lm_head stay one parameter
+        model.to_empty(device=next(model.parameters()).device_mesh.device_type)
+    options = Options(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+    return model
+
+
+def _build(name, tok, head, shapes_only):  # load()'s model, as one process builds it
+    tensors, config = {}, {}
     if name == "tiny":
         model = GPT(GPTConfig(**PRESETS["tiny"], vocab_size=tok["vocab_size"]))
     else:
-        tensors, config = _read(name)
+        tensors, config = _read(name, shapes_only)
         sd = {k.removeprefix("transformer."): v for k, v in tensors.items()}  # ours or HF's names
         if "wte.weight" not in sd:
             raise RunError(f"'{name}' is not a GPT-2 checkpoint (no wte.weight)")
@@ -388,23 +457,25 @@ def load_weights(model, path):
     """Load what `save` wrote into a model of the same shape, plain or FSDP2-sharded."""
     tensors, config = _read(path)
     state = {k: tensors[v] for k, v in _names(model)}
-    options = Options(full_state_dict=dist.is_initialized())
-    set_model_state_dict(model, state, options=options)
+    set_model_state_dict(model, state, options=Options(full_state_dict=dist.is_initialized()))
     if isinstance(model, ScalarModel):
         model.reward_gain, model.reward_bias = config["reward_gain"], config["reward_bias"]
 
 
 def _names(model):  # (state dict name, saved name): lm_head is tied to wte, not saved
-    return [
-        (k, "transformer.wte.weight" if k == "lm_head.weight" else k) for k in model.state_dict()
-    ]
+    tied = {"lm_head.weight": "transformer.wte.weight"}
+    return [(k, tied.get(k, k)) for k in model.state_dict()]
 
 
-def _read(name):
+def _read(name, shapes_only=False):
     """(tensors, config dict) of a checkpoint: model.safetensors and the config.json beside it."""
     path = _resolve(name)
     try:
-        tensors = load_file(path)
+        if shapes_only:  # the header alone: meta tensors of the saved shapes
+            f = safe_open(path, "pt")
+            tensors = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+        else:
+            tensors = load_file(path)
     except Exception as e:  # safetensors raises several kinds on a truncated or foreign file
         raise RunError(f"cannot read '{path}' ({e}): it is damaged; save it again") from None
     config_path = os.path.join(os.path.dirname(path), "config.json")

@@ -118,7 +118,8 @@ def test_save_load_round_trip_with_tokenizer_ids(tmp_path):
     assert loaded.config == model.config
     with torch.no_grad():  # bitwise: the same fp32 weights must come back
         assert torch.equal(loaded(query, query != PAD), model(query, query != PAD))
-    into = gpt2.load("tiny", META)
+    into = gpt2.load("tiny", META, shard=lambda m: m.requires_grad_(False))  # in one process too
+    assert not any(p.requires_grad for p in into.parameters())
     gpt2.load_weights(into, str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(into.parameters(), model.parameters()))
 
@@ -219,16 +220,70 @@ def test_padded_vocabulary_never_produces_ids_past_the_tokenizer(tmp_path):
 
 @torch.no_grad()
 def test_generation_logprobs_equal_a_separate_forward_pass():
-    """The rollout's log-probs of the sampled tokens under logits / T equal one forward pass's."""
+    """The rollout's log-probs of the sampled tokens under logits / T equal gpt2.logprobs's."""
     model, (_, query) = tiny_model(), batch()
-    T, temperature = 6, 0.7
-    rollout = gpt2.generate(model, query, PAD, T, None, temperature)
-    mask = torch.cat([query != PAD, rollout.mask], 1)
-    inputs = torch.cat([query, rollout.response], 1)
-    logits = model(inputs, mask, keep_from=query.size(1) - 1)[:, :-1]
-    logp = (logits / temperature).log_softmax(-1)
-    expected = logp.gather(-1, rollout.response[..., None]).squeeze(-1)
+    temperature, noise = 0.7, torch.rand(4, 8, generator=torch.Generator().manual_seed(2))
+    eos = int(gpt2.generate(model, query, PAD, 8, None, temperature, noise).response[0, 3])
+    model.config.eos_token_id = eos  # rows stop at different lengths
+    rollout = gpt2.generate(model, query, PAD, 8, eos, temperature, noise)
+    assert 0 < rollout.mask.sum() < rollout.mask.numel()
+    expected = gpt2.logprobs(model, query, rollout.response, temperature)[0]
     torch.testing.assert_close(rollout.logprobs, expected, atol=1e-5, rtol=0)
+
+
+def plain_logprobs(model, query, response, temperature):
+    """The formula gpt2.logprobs computes in chunks, on the whole (B, Tr, V) at once."""
+    mask = gpt2.response_mask(response, PAD)
+    inputs = torch.cat([query, response[:, :-1]], 1)
+    attention_mask = torch.cat([query != PAD, mask[:, :-1]], 1)
+    logits = model(inputs, attention_mask, keep_from=query.size(1) - 1)
+    logp = logits.float().div(temperature).log_softmax(-1)
+    logprobs = logp.gather(-1, response[..., None]).squeeze(-1)
+    return logprobs * mask, -(logp.exp() * logp).sum(-1) * mask
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_the_plain_formula(monkeypatch, temperature):
+    """Left-padded queries, rows that stop at different lengths, chunks of 3 rows: the plain
+    formula's log-probs, entropy and gradients, on the columns trim_padding keeps; 0 after."""
+    monkeypatch.setattr(gpt2.TokenLogProbs, "CHUNK", 3 * V)
+    model, query = tiny_model().train(), torch.cat([torch.full((4, 2), PAD), batch()[1]], 1)
+    response = torch.tensor([[7, PAD, 5, 5, 5], [1, 2, 3, PAD, 5], [4, 4, PAD, 5, 5]])
+    response = torch.cat([response, torch.tensor([[9, 8, 7, PAD, PAD]])])  # stops at 4, last
+    weights = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(0))
+    logprobs, entropy = gpt2.logprobs(model, query, response, temperature, entropy=True)
+    (logprobs * weights[0] + entropy * weights[1]).sum().backward()  # an entropy bonus's too
+    grads = [p.grad.to_dense() for p in model.parameters()]
+    model.zero_grad()
+    assert entropy.shape == logprobs.shape == (4, 5)
+    assert (logprobs[:, 4:] == 0).all() and (entropy[:, 4:] == 0).all()
+    expected = plain_logprobs(model, query[:, 2:], response[:, :4], temperature)
+    torch.testing.assert_close(logprobs[:, :4], expected[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy[:, :4], expected[1], atol=1e-6, rtol=0)
+    (expected[0] * weights[0, :, :4] + expected[1] * weights[1, :, :4]).sum().backward()
+    for got, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad.to_dense(), atol=1e-5, rtol=1e-4)
+    assert gpt2.logprobs(model, query, response, temperature)[1] is None
+
+
+def test_trim_padding_equals_the_two_sync_version():
+    def two_syncs(query, response, pad_token_id, eos_token_id=None):  # the earlier code
+        query = query[:, int((query != pad_token_id).any(0).int().argmax()) :]
+        if eos_token_id is None:
+            return query, response
+        return query, response[:, : int(gpt2.response_mask(response, eos_token_id).sum(1).max())]
+
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(0, 7, (4, 1), generator=g)
+        query = torch.where(torch.arange(6) >= 6 - lengths, 5, PAD)  # 0 to 6 real tokens
+        response = torch.randint(0, 5, (4, 6), generator=g)  # stop token 4, or none
+        for eos in (None, 4):
+            got, expected = (
+                gpt2.trim_padding(query, response, PAD, eos),
+                two_syncs(query, response, PAD, eos),
+            )
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")

@@ -1,0 +1,132 @@
+"""Memory (issue 28): gpt2.logprobs keeps one (B, T, V) tensor, the logits, in forward and backward;
+gpt2.load(..., shard=) under torchrun reads and builds the weights on rank 0 only, the other ranks
+on the meta device, and every rank ends with rank 0's model."""
+
+import ctypes
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import gpt2
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+PAD, V = 256, 257
+META = dict(vocab_size=V, eos_token_id=PAD, pad_token_id=PAD)
+CASES = {  # name: (checkpoint, head, bf16 blocks as reward.py's frozen models have them)
+    "lm": ("lm", None, False),
+    "rm": ("rm", "saved", False),
+    "tiny": ("tiny", None, False),
+    "new_head": ("lm", "new", False),
+    "rm_bf16": ("rm", "saved", True),
+}
+
+
+def peak_logits_tensors(path):
+    """Peak memory of one forward and backward, in (B, T, V) fp32 tensors: freed buffers over
+    1 MiB go back to the OS (a fixed mmap threshold), so peak RSS counts the live tensors."""
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    B, Tq, Tr, vocab = 16, 8, 64, 32768
+    model = gpt2.GPT(gpt2.GPTConfig(128, vocab, n_layer=1, n_head=2, n_embd=32))
+    gpt2.TokenLogProbs.CHUNK = 1 << 20  # 4 MB temporaries against 134 MB of logits
+    g = torch.Generator().manual_seed(0)
+    query, response = torch.randint(0, 200, (B, Tq), generator=g), torch.randint(0, 200, (B, Tr))
+
+    def step(query, response):
+        if path == "plain":  # what the scripts did: logits, their log-softmax and its backward
+            logits = model(torch.cat([query, response[:, :-1]], 1), keep_from=Tq - 1)
+            logp = (logits.float() / 0.7).log_softmax(-1)
+            logprobs = logp.gather(-1, response[..., None]).squeeze(-1)
+            -(logp.exp() * logp).sum(-1).detach()  # entropy
+        else:
+            logprobs = gpt2.logprobs(model, query, response, 0.7, entropy=True)[0]
+        logprobs.sum().backward()
+
+    step(query[:1], response[:1])  # warm-up: lazily loaded kernels count in RSS too
+    before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    step(query, response)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    print(peak / (B * Tr * vocab * 4))
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="needs glibc's mallopt")
+def test_logprobs_keeps_one_logits_tensor():
+    peak = {}
+    for path in ("plain", "chunked"):
+        cmd = [sys.executable, __file__, "peak", path]
+        out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        peak[path] = float(out.stdout.split()[-1])
+    assert peak["plain"] > 3  # the measure sees the plain path's copies
+    assert peak["chunked"] < 1.3, peak  # the logits and small chunks
+
+
+def shard_worker(tmp):
+    """Under torchrun: every case loaded with shard=, its outputs and gathered weights saved."""
+    dist.init_process_group("gloo")
+    rank, mesh = dist.get_rank(), init_device_mesh("cpu", (dist.get_world_size(),))
+    if rank:  # the meta ranks must read no tensors, only the header
+        gpt2.load_file = None
+    query = torch.tensor([[PAD, PAD, 1, 2], [PAD, 3, 4, 5], [6, 7, 8, 9]])
+    for case, (name, head, bf16) in CASES.items():
+
+        def shard(model, bf16=bf16):
+            mp = MixedPrecisionPolicy(torch.bfloat16 if bf16 else torch.float32, torch.float32)
+            if bf16:  # as the scripts' frozen models: no gradients, bf16 blocks
+                model.requires_grad_(False).transformer.h.to(torch.bfloat16)
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            return fully_shard(model, mesh=mesh)
+
+        torch.manual_seed(rank)  # a `tiny` or new head initialised elsewhere would differ
+        path = name if name == "tiny" else os.path.join(tmp, name)
+        model = gpt2.load(path, META, head, shard=shard).eval()
+        assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+        assert all(p.requires_grad != bf16 for p in model.parameters())
+        with torch.no_grad():
+            torch.save(model(query, query != PAD), os.path.join(tmp, f"{case}-{rank}.pt"))
+        gpt2.save(model, os.path.join(tmp, f"{case}-saved"))
+    dist.destroy_process_group()  # then no interpreter teardown, where gloo's threads can abort
+    os._exit(0)
+
+
+def test_sharded_load_equals_plain_load(tmp_path):
+    torch.manual_seed(0)
+    lm = gpt2.load("tiny", META)
+    with torch.no_grad():  # randomised LayerNorms and biases: no mapping bug can hide
+        for name, p in lm.named_parameters():
+            p.add_(0.1 * torch.randn_like(p)) if "ln_" in name or "bias" in name else None
+    gpt2.save(lm, str(tmp_path / "lm"))
+    gpt2.save(gpt2.ScalarModel(gpt2.load("tiny", META), 2.0, -1.0), str(tmp_path / "rm"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [__file__, "shard", str(tmp_path)]
+    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    query = torch.tensor([[PAD, PAD, 1, 2], [PAD, 3, 4, 5], [6, 7, 8, 9]])
+    for case, (name, head, bf16) in CASES.items():
+        torch.manual_seed(0)  # rank 0's seed: its `tiny` and new head are the ones kept
+        plain = gpt2.load(name if name == "tiny" else str(tmp_path / name), META, head).eval()
+        saved = load_file(str(tmp_path / f"{case}-saved" / "model.safetensors"))
+        for k, v in plain.state_dict().items():
+            v = v.to(torch.bfloat16) if bf16 and k.startswith("transformer.h.") else v
+            assert k == "lm_head.weight" or torch.equal(saved[k], v), (case, k)
+        if bf16:
+            continue  # the bf16 blocks' outputs: not comparable with the fp32 plain model's
+        with torch.no_grad():
+            expected = plain(query, query != PAD)
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"{case}-{rank}.pt")
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"{case} {rank}")
+
+
+if __name__ == "__main__":
+    dict(peak=peak_logits_tensors, shard=shard_worker)[sys.argv[1]](sys.argv[2])
