@@ -1,12 +1,9 @@
-"""GPT-2 from scratch for RLHF: the model every algorithm file shares, its I/O and scalar heads.
+"""GPT-2 from scratch for RLHF (Radford et al. 2019): the model every algorithm file shares.
 
-Radford et al. 2019. Module names and the (in, out) projection layout are GPT-2's own, so weights
-move to and from Hugging Face's GPT2LMHeadModel as they are. Beyond nanoGPT: positions from the
-attention mask (left padding changes no logit), KV-cache generation that returns the response
-mask and the sampler's log-probs, scalar heads, and load/save of plain or FSDP2-sharded models.
-
-    python gpt2.py                       # the parameter count of each preset
-    GPT2_CPU_GEMM=mkl python grpo.py     # torch's default CPU GEMM library (or onednn)
+Module names and the (in, out) projection layout are GPT-2's own, so weights move to and from
+Hugging Face's GPT2LMHeadModel as they are. Beyond nanoGPT: positions from the attention mask
+(left padding changes no logit), KV-cache generation that returns the response mask and the
+sampler's log-probs, scalar heads (reward, value), and load/save of plain or FSDP2-sharded models.
 """
 
 import ctypes
@@ -63,10 +60,8 @@ FP32_HEAD = os.environ.get("GPT2_FP32_HEAD", "1") != "0"
 # cuDNN's SDPA backward can return NaN with a mask when T % 128 == 64 (pytorch#196678)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# ----------------------------------------------------------------------------------------------
-# Model
 
-
+# ---- Model
 class LayerCache:
     """One layer's keys and values (2, B, H, max_len, hd), allocated in the compute dtype."""
 
@@ -93,45 +88,26 @@ class Conv1D(nn.Module):
         return matmul(x, self.weight, self.bias)
 
 
-class CausalSelfAttention(nn.Module):
+class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
+        C, eps, self.n_head = cfg.n_embd, cfg.layer_norm_epsilon, cfg.n_head
+        self.ln_1 = nn.LayerNorm(C, eps=eps)
+        self.attn = nn.ModuleDict(dict(c_attn=Conv1D(C, 3 * C), c_proj=Conv1D(C, C)))
+        self.ln_2 = nn.LayerNorm(C, eps=eps)
+        self.mlp = nn.ModuleDict(dict(c_fc=Conv1D(C, 4 * C), c_proj=Conv1D(4 * C, C)))
 
     def forward(self, x, attn_mask, kv_cache=None, pos=0):
         B, T, C = x.shape
-        qkv = self.c_attn(x).split(C, dim=2)
+        qkv = self.attn.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in qkv)  # (B, H, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, pos)
         with sdpa_kernel(SDPA_BACKENDS):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=attn_mask is None)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.c_fc = Conv1D(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = Conv1D(4 * cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's gelu_new
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x, attn_mask, kv_cache=None, pos=0):
-        x = x + self.attn(self.ln_1(x), attn_mask, kv_cache, pos)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        h = F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh")  # GPT-2's gelu_new
+        return x + self.mlp.c_proj(h)
 
 
 class GPT(nn.Module):
@@ -139,30 +115,21 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.config = cfg
+        self.config, C, eps = cfg, cfg.n_embd, cfg.layer_norm_epsilon
         self.activation_checkpointing = False  # recompute blocks in backward: less memory
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
-            )
-        )
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        wte, wpe = nn.Embedding(cfg.vocab_size, C), nn.Embedding(cfg.block_size, C)
+        h = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.transformer = nn.ModuleDict(dict(wte=wte, wpe=wpe, h=h, ln_f=nn.LayerNorm(C, eps=eps)))
+        self.lm_head = nn.Linear(C, cfg.vocab_size, bias=False)
+        self.lm_head.weight = wte.weight  # tied, as in GPT-2
         self.n_logits = cfg.vocab_size  # the tokenizer's: padding rows are never sampled
         self.fp32_head = FP32_HEAD
-        self.apply(self._init_weights)
+        for m in self.modules():  # GPT-2's init; the biases are zeros already
+            if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: residual projections get 1/sqrt(2 L)
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    def _init_weights(self, m):
-        if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, (nn.Linear, Conv1D)) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def forward(self, idx, attention_mask=None, kv_cache=None, hidden=False, keep_from=0):
         """idx (B, T), attention_mask (B, pos + T) after pos cached steps (None: no padding) -> the
@@ -177,24 +144,18 @@ class GPT(nn.Module):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             q_idx = torch.arange(pos, pos + T, device=device)[:, None]  # (T, 1)
             k_idx = torch.arange(pos + T, device=device)[None, :]  # (1, S)
+            real = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
             # causal, not padding, and always itself: a pad row is never all -inf (NaN in SDPA)
-            real = attention_mask.bool()[:, None, None, :]
             attn_mask = ((k_idx <= q_idx) & real) | (k_idx == q_idx)  # (B, 1, T, S)
-        # the tied wte's lookup gradient goes sparse into lm_head's (not under torch.compile)
-        sparse = not hidden and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        tok = F.embedding(idx, self.transformer.wte.weight, sparse=sparse)
-        x = tok + self.transformer.wpe(position_ids)
-        checkpointing = self.activation_checkpointing and self.training
-        for i, block in enumerate(self.transformer.h):
-            cache = None if kv_cache is None else kv_cache[i]
-            if checkpointing:
+        x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)
+        for block, cache in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
+            if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, attn_mask, cache, pos, use_reentrant=False)
             elif not self.hooks:  # as FSDP2 would, in the blocks' dtype
                 x = block.forward(x.to(block.ln_1.weight.dtype), attn_mask, cache, pos)
             else:
                 x = block(x, attn_mask, cache, pos)
-        x = x[:, keep_from:].float() if self.fp32_head else x[:, keep_from:]
-        x = self.transformer.ln_f(x)
+        x = self.transformer.ln_f(x[:, keep_from:].float() if self.fp32_head else x[:, keep_from:])
         return x if hidden else self.logits(x)
 
     def logits(self, x):  # (..., C) -> (..., n_logits)
@@ -204,9 +165,6 @@ class GPT(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return matmul(x.float(), w.float(), out_in=True)
 
-    def new_kv_cache(self, max_len):
-        return [LayerCache(max_len) for _ in range(self.config.n_layer)]
-
 
 class ScalarModel(GPT):
     """GPT-2 with a scalar head (reward, value): gain * score(h) + bias, gain and bias set by reward
@@ -214,9 +172,8 @@ class ScalarModel(GPT):
 
     def __init__(self, backbone: GPT, gain: float = 1.0, bias: float = 0.0):
         nn.Module.__init__(self)  # GPT.__init__ would build a second backbone
-        self.config, self.n_logits = backbone.config, backbone.n_logits
-        self.activation_checkpointing = backbone.activation_checkpointing
-        self.fp32_head = backbone.fp32_head
+        for key in ("config", "n_logits", "fp32_head", "activation_checkpointing"):
+            setattr(self, key, getattr(backbone, key))
         self.transformer, self.lm_head = backbone.transformer, backbone.lm_head  # lm_head unused
         self.score = nn.Linear(self.config.n_embd, 1)
         # lm-human-preferences: N(0, 1/sqrt(n_embd + 1)), so the first scores have unit scale
@@ -239,10 +196,7 @@ def get_reward(model, query, response, pad_token_id, eos_token_id):
     return scores.gather(1, mask.sum(1, keepdim=True) - 1).squeeze(1)
 
 
-# ----------------------------------------------------------------------------------------------
-# Generation, the masks of what it returns, and the log-probs of given responses (for training)
-
-
+# ---- Generation, its masks, and the log-probs of given responses (for training)
 def response_mask(response, eos_token_id):
     """(B, T) bool: the response tokens up to and including the first stop token."""
     stops = (response == eos_token_id).int()
@@ -301,15 +255,14 @@ def generate(
     if total > model.config.block_size:
         raise ValueError(f"{total} tokens exceed the context of {model.config.block_size}")
     noise = torch.rand(B, max_new_tokens, device=device) if noise is None else noise
-    real = query != pad_token_id  # (B, Tq)
-    mask = torch.cat([real, real.new_ones(B, max_new_tokens)], 1)  # response slots: all seen
+    mask = F.pad(query != pad_token_id, (0, max_new_tokens), value=True)  # responses: all seen
     response = torch.full((B, max_new_tokens), pad_token_id, dtype=query.dtype, device=device)
     logprobs = torch.zeros(B, max_new_tokens, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     with unsharded(model):
-        kv = model.new_kv_cache(total)
-        logits = model(query, mask[:, :Tq], kv, keep_from=Tq - 1)[:, -1]
+        kv, inputs = [LayerCache(total) for _ in range(model.config.n_layer)], query
         for t in range(max_new_tokens):
+            logits = model(inputs, mask[:, : Tq + t], kv, keep_from=inputs.size(1) - 1)[:, -1]
             token = sample_token(logits, noise[:, t], temperature)
             response[:, t] = torch.where(done, pad_token_id, token)
             logp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)
@@ -319,8 +272,7 @@ def generate(
                 # a host sync: every step on CPU, where it is free, every 8 steps on GPU
                 if (device.type == "cpu" or t % 8 == 7) and done.all():
                     break
-            if t + 1 < max_new_tokens:
-                logits = model(token[:, None], mask[:, : Tq + t + 1], kv)[:, -1]
+            inputs = token[:, None]
     mask = response_mask(response, -1 if eos_token_id is None else eos_token_id)
     return Rollout(query, response, mask, logprobs)
 
@@ -346,9 +298,8 @@ class TokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad, grad_entropy):
         (logits, target), n = ctx.saved_tensors, ctx.n
         grad_entropy = torch.zeros_like(grad) if grad_entropy is None else grad_entropy
-        for x, y, g, g_h in zip(
-            *(v.split(n) for v in (logits, target, grad[:, None], grad_entropy[:, None]))
-        ):
+        chunks = (v.split(n) for v in (logits, target, grad[:, None], grad_entropy[:, None]))
+        for x, y, g, g_h in zip(*chunks):
             logp = (x.float() / ctx.t).log_softmax(-1)
             p = logp.exp()
             # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t
@@ -359,9 +310,8 @@ class TokenLogProbs(torch.autograd.Function):
 
 def logprobs(model, query, response, temperature=1.0, entropy=False):
     """Log-probs (B, Tr) fp32 of the responses' tokens after left-padded queries under logits /
-    temperature, as generate samples them, and if asked the entropy (B, Tr), else None:
-    0 past each row's stop. Pad and stop ids are model.config's. The logits are the one (B, Tr, V)
-    tensor made: TokenLogProbs works on a few rows at a time and writes its gradient over them."""
+    temperature, as generate samples them, and if asked the entropy (B, Tr), else None; 0 past
+    each row's stop. Pad and stop ids are model.config's; the logits are the one (B, Tr, V) made."""
     pad, eos = model.config.pad_token_id, model.config.eos_token_id
     query, trimmed = trim_padding(query, response, pad, eos)  # the columns that matter
     mask = response_mask(trimmed, eos)  # (B, Tr')
@@ -375,18 +325,17 @@ def logprobs(model, query, response, temperature=1.0, entropy=False):
     return widen(out[0]), None if out[1] is None else widen(out[1])
 
 
-# ----------------------------------------------------------------------------------------------
-# Model I/O in the Hugging Face GPT-2 safetensors layout
+# ---- Model I/O in the Hugging Face GPT-2 safetensors layout
+TIED = {"lm_head.weight": "transformer.wte.weight"}  # lm_head is wte: not saved, loaded from it
 
 
 def load(name, tokenizer=None, head=None, shard=None):
     """`tiny` (random init), a GPT-2 preset (pretrained, downloaded once per node) or a checkpoint
-    directory or file, ours or Hugging Face's. tokenizer: the data's meta (vocab_size, stop and
-    pad ids); the embedding must hold its vocabulary (padded to a multiple of 128 at most).
-    head: None for a GPT; "new" or "saved" (a reward model's) for a ScalarModel. shard: the
-    script's wrapper (model -> model; FSDP2 under torch.distributed, where it must leave devices to
-    fully_shard), applied before returning; under torch.distributed rank 0 alone reads (or inits)
-    the weights, the other ranks build on the meta device, and rank 0 broadcasts into the shards."""
+    directory or file, ours or Hugging Face's. tokenizer: the data's meta (vocab_size, stop and pad
+    ids); the embedding must hold its vocabulary (padded to a multiple of 128 at most). head: None
+    for a GPT; "new" or "saved" (a reward model's) for a ScalarModel. shard: the script's wrapper
+    (model -> model; FSDP2 under torch.distributed, where it must leave devices to fully_shard):
+    then rank 0 alone reads (or inits) the weights and broadcasts them into the others' shards."""
     rank = dist.get_rank() if shard and dist.is_initialized() else None
     with torch.device("meta") if rank else nullcontext():  # no weights read: the header's shapes
         model = _build(name, tokenizer or {}, head, shapes_only=bool(rank))
@@ -414,7 +363,8 @@ def _build(name, tok, head, shapes_only):  # load()'s model, as one process buil
         n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
         n_head = config.get("n_head", n_embd // 64)  # every GPT-2 size has 64-wide heads
         model = GPT(GPTConfig(n_pos, rows, n_layer, n_head, n_embd))
-        model.load_state_dict({k: sd[v.removeprefix("transformer.")] for k, v in _names(model)})
+        state = {k: sd[TIED.get(k, k).removeprefix("transformer.")] for k in model.state_dict()}
+        model.load_state_dict(state)
         vocab = tok.get("vocab_size", rows)
         if not vocab <= rows <= -(-vocab // 128) * 128:
             msg = f"{rows}-token vocabulary, the data's tokenizer {vocab}: prep it with the model's"
@@ -433,13 +383,11 @@ def _build(name, tok, head, shapes_only):  # load()'s model, as one process buil
 
 def save(model, out_dir):
     """model.safetensors + config.json, HF layout; under FSDP2 all ranks call it, rank 0 writes."""
-    full = Options(full_state_dict=True, cpu_offload=True)
-    state = (
-        get_model_state_dict(model, options=full) if dist.is_initialized() else model.state_dict()
-    )
-    if dist.is_initialized() and dist.get_rank() != 0:
+    gather = dist.is_initialized()  # the full state dict, to rank 0, which alone writes
+    state = get_model_state_dict(model, options=Options(full_state_dict=gather, cpu_offload=gather))
+    if gather and dist.get_rank() != 0:
         return
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k != "lm_head.weight"}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in TIED}
     config = asdict(model.config)  # renamed to Hugging Face's GPT2Config
     config["n_positions"] = config["n_ctx"] = config.pop("block_size")
     config |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -456,15 +404,10 @@ def save(model, out_dir):
 def load_weights(model, path):
     """Load what `save` wrote into a model of the same shape, plain or FSDP2-sharded."""
     tensors, config = _read(path)
-    state = {k: tensors[v] for k, v in _names(model)}
+    state = {k: tensors[TIED.get(k, k)] for k in model.state_dict()}
     set_model_state_dict(model, state, options=Options(full_state_dict=dist.is_initialized()))
     if isinstance(model, ScalarModel):
         model.reward_gain, model.reward_bias = config["reward_gain"], config["reward_bias"]
-
-
-def _names(model):  # (state dict name, saved name): lm_head is tied to wte, not saved
-    tied = {"lm_head.weight": "transformer.wte.weight"}
-    return [(k, tied.get(k, k)) for k in model.state_dict()]
 
 
 def _read(name, shapes_only=False):
@@ -508,8 +451,6 @@ def _resolve(name):
 
 
 # ---- CPU speed: the fp32 GEMM library and the allocator (nothing here runs on GPU)
-
-
 # torch sends fp32 CPU GEMMs to MKL, which takes a slow generic path on AMD CPUs; oneDNN (also in
 # torch) does not (docs/benchmarks.md). GPT2_CPU_GEMM=mkl|onednn overrides the choice.
 AMD = os.path.isfile("/proc/cpuinfo") and "AuthenticAMD" in open("/proc/cpuinfo").read()
@@ -517,10 +458,8 @@ GEMM = os.environ.get("GPT2_CPU_GEMM") or ("onednn" if AMD else "mkl")
 ONEDNN = GEMM == "onednn" and torch.backends.mkldnn.is_available()
 # oneDNN's fixed cost per call loses on GEMMs with few weights and few rows (tiny's decode step)
 ONEDNN_MIN_WEIGHTS, ONEDNN_MIN_ROWS = 1 << 18, 512
-
-
-def _onednn(x, w_out_in, b=None):  # x (M, in) @ w_out_in.T + b
-    return torch.ops.mkldnn._linear_pointwise(x, w_out_in, b, "none", [], "")
+# x (M, in) @ w.T + b for w (out, in), looked up when called: not every torch build has oneDNN
+_onednn = lambda x, w, b=None: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 class OneDNNMatmul(torch.autograd.Function):
@@ -548,11 +487,7 @@ def matmul(x, w, b=None, out_in=False):
     eager = not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
     if not (ONEDNN and cpu_fp32 and big and eager):
         return F.linear(x, w if out_in else w.t(), b)
-    x2 = x.reshape(rows, x.size(-1))
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        y = OneDNNMatmul.apply(x2, w, b, out_in)
-    else:
-        y = _onednn(x2, w if out_in else w.t(), b)
+    y = OneDNNMatmul.apply(x.reshape(rows, x.size(-1)), w, b, out_in)  # no graph under no_grad
     # reshaped as torch.matmul does, not as a view: FSDP2 warns when a module returns a view
     return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.size(-1)))
 
@@ -563,9 +498,3 @@ def keep_freed_memory():
     if hasattr(libc, "mallopt"):  # glibc
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: buffers below 32 MiB come from the heap
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: up to 1 GiB of freed heap stays
-
-
-if __name__ == "__main__":
-    for name, preset in PRESETS.items():
-        m = GPT(GPTConfig(**preset, **({"vocab_size": 257} if name == "tiny" else {})))
-        print(f"{name:12s} {sum(p.numel() for p in m.parameters()) / 1e6:8.2f}M parameters")
