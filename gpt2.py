@@ -138,7 +138,7 @@ class GPT(nn.Module):
         pos = 0 if attention_mask is None else attention_mask.size(1) - T
         if pos + T > self.config.block_size:
             raise ValueError(f"{pos + T} tokens exceed block_size {self.config.block_size}")
-        if attention_mask is None:  # no padding: the causal kernel
+        if attention_mask is None or (pos == 0 and bool(attention_mask.all())):  # causal kernel
             position_ids, attn_mask = torch.arange(T, device=device).expand(B, T), None
         else:  # positions count real tokens, so left padding changes nothing
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]

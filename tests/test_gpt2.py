@@ -322,3 +322,20 @@ def test_generate_calls_the_blocks_without_hooks():
     assert calls == [] and model.hooks  # and back to normal afterwards
     model(query)
     assert calls == [1]
+
+
+def test_no_padding_takes_the_causal_kernel_with_no_mask(monkeypatch):
+    """A mask with every token real gives the unmasked causal call (FlashAttention on GPU; no
+    mask for cuDNN's NaN case), and the same logits as the masked path of a padded twin."""
+    model, idx = tiny_model(), batch((6, 6, 6))[1]  # equal lengths: no pad
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+    record = lambda q, k, v, mask, **kw: masks.append(mask) or sdpa(q, k, v, mask, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)
+    full = model(idx, torch.ones_like(idx, dtype=torch.bool))
+    assert all(m is None for m in masks)
+    padded = torch.cat([torch.full((len(idx), 2), PAD), idx], 1)
+    masks.clear()
+    logits = model(padded, padded != PAD)[:, 2:]
+    assert all(m is not None for m in masks)
+    torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
