@@ -33,7 +33,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,9 +65,7 @@ class Args:
     micro_batch_size: int = 32  # pairs per forward pass on one rank (2x sequences)
     max_train_pairs: int = 0  # train on the first N pairs of pref_train only (0: all)
     loss_type: str = "sigmoid"  # sigmoid (DPO), hinge, ipo, ipo_sum, dpo_norm or simpo
-    beta: float | None = (
-        None  # β, the implicit reward's scale (default simpo 2, dpo_norm 5, else 0.1)
-    )
+    beta: float | None = None  # β, the implicit reward's scale (simpo 2, dpo_norm 5, others 0.1)
     label_smoothing: float = 0.0  # ε of conservative DPO: the assumed share of flipped labels
     simpo_gamma: float = 0.5  # γ, SimPO's target reward margin (TRL's simpo_gamma)
     reference_free: bool = False  # log π_ref = 0: no reference pass
@@ -131,48 +128,6 @@ def rpo_nll(logps_chosen, len_chosen, normalization, tokens_per_pair):
     return -logps_chosen / (len_chosen if normalization == "sequence" else tokens_per_pair)
 
 
-def pair_logprobs(model, query, chosen, rejected, pad_token_id, eos_token_id, ctx):
-    """log π of the chosen and rejected responses (B, 2), summed up to and including the stop
-    token: one forward of 2B rows, padded to one width (a pad is never scored)."""
-    width = max(chosen.size(1), rejected.size(1))
-    padded = [F.pad(r, (0, width - r.size(1)), value=pad_token_id) for r in (chosen, rejected)]
-    response = torch.cat(padded)  # (2B, Tr): the chosen rows, then the rejected rows
-    query, response = gpt2.trim_padding(query.repeat(2, 1), response, pad_token_id, eos_token_id)
-    mask = gpt2.response_mask(response, eos_token_id)  # (2B, Tr)
-    attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    with ctx:  # position t predicts token t + 1: the last token is only predicted, not an input
-        inputs = torch.cat([query, response[:, :-1]], 1)
-        logits = model(inputs, attention_mask[:, :-1], keep_from=query.size(1) - 1)  # (2B, Tr, V)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), response.flatten().long(), reduction="none")
-    return -(nll.view_as(mask) * mask).sum(1).view(2, -1).T
-
-
-def pair_tensors(split, idx, device):
-    """Rows idx of a preference split as [query, chosen, rejected] tensors on device."""
-    return [torch.from_numpy(split[k][idx]).to(device) for k in ("query", "chosen", "rejected")]
-
-
-def pair_lengths(split, n, eos_token_id):
-    """(n, 2): tokens of the first n chosen and rejected responses, up to and including the stop."""
-    chosen, rejected = (torch.from_numpy(split[k][:n]) for k in ("chosen", "rejected"))
-    return torch.stack([gpt2.response_mask(r, eos_token_id).sum(1) for r in (chosen, rejected)], 1)
-
-
-@torch.no_grad()
-def split_logprobs(model, split, n, batch_size, pad_token_id, eos_token_id, ctx):
-    """pair_logprobs (n, 2) of a split's first n pairs, on every rank. Each rank scores an equal
-    share, the last pair again past the end: FSDP2 needs every rank in every forward."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    device, share = next(model.parameters()).device, -(-n // world_size)
-    out = torch.zeros(n, 2, device=device)
-    for i in data.progress(range(0, share, batch_size), "pair log-probs", show=MASTER):
-        idx = np.arange(rank * share + i, rank * share + min(i + batch_size, share))
-        batch = pair_tensors(split, idx.clip(max=n - 1), device)
-        logps = pair_logprobs(model, *batch, pad_token_id, eos_token_id, ctx)
-        out[idx[idx < n]] = logps[: (idx < n).sum()]
-    return all_reduce(out)
-
-
 def lr_at(step, args):
     """Linear warmup, then cosine to lr * min_lr_ratio."""
     if step < args.warmup_steps:
@@ -219,8 +174,8 @@ def main(args: Args):
     n_test = min(args.eval_size, len(test["query"]))
     if n_train < args.batch_size:
         raise RunError(f"{n_train} pairs < --batch_size {args.batch_size}: raise --max_train_pairs")
-    train_lengths = pair_lengths(train, n_train, eos).to(device)
-    test_lengths = pair_lengths(test, n_test, eos).to(device)
+    train_lengths = data.response_lengths(train, n_train, eos).to(device)
+    test_lengths = data.response_lengths(test, n_test, eos).to(device)
 
     # 3. run directory, policy, optimizer
     args.out_dir = start_run(args, "dpo")
@@ -246,20 +201,19 @@ def main(args: Args):
             ref = shard(gpt2.load(args.ref_model, meta), device, bf16, frozen=True)
         if MASTER:
             print(f"reference log-probs of {n_train} train and {n_test} eval pairs", flush=True)
-        ref_train = split_logprobs(ref, train, n_train, micro_batch_size, pad, eos, ctx)
-        ref_test = split_logprobs(ref, test, n_test, micro_batch_size, pad, eos, ctx)
+        ref_train = data.split_logprobs(ref, train, n_train, micro_batch_size, ctx)
+        ref_test = data.split_logprobs(ref, test, n_test, micro_batch_size, ctx)
         del ref
     start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
 
     def evaluate():
-        """The pair loss (no RPO term), reward and log-prob accuracies on pref_test; with a
-        verifier, greedy accuracy on prompt_test."""
-        model.eval()
-        logps = split_logprobs(model, test, n_test, micro_batch_size, pad, eos, ctx)
+        """Pair loss (no RPO term) and accuracies on pref_test, greedy accuracy on prompt_test."""
+        logps = data.split_logprobs(model, test, n_test, micro_batch_size, ctx)
         loss, rewards = pair_loss(logps, ref_test, test_lengths, args)
         out = {
             "eval/loss": loss.mean().item(),
-            "eval/preference_accuracy": (rewards[:, 0] > rewards[:, 1]).float().mean().item(),
+            # every policy's metric: summed log-probs whatever the loss, ties half (0.5 at step 0)
+            "eval/preference_accuracy": data.preference_accuracy(logps, ref_test),
             "eval/rewards_margins": (rewards[:, 0] - rewards[:, 1]).mean().item(),
             "eval/logps_accuracy": (logps[:, 0] > logps[:, 1]).float().mean().item(),
         }
@@ -267,7 +221,6 @@ def main(args: Args):
             out["eval/accuracy"] = data.greedy_accuracy(
                 model, prompts, meta, args.eval_size, micro_batch_size, args.response_length, ctx
             )
-        model.train()
         return out
 
     if start == 0 and args.eval_size > 0:  # the starting policy: loss ln 2 when π = π_ref
@@ -275,16 +228,12 @@ def main(args: Args):
 
     # 5. training loop: one permutation of the pairs per epoch, keyed by (seed, epoch); rank r takes
     # its slice of each global batch, so any number of ranks sees the same global batches
-    steps_per_epoch = n_train // args.batch_size
     t0, tokens = time.time(), 0
-    model.train()
     for step in range(start, args.total_steps):
-        epoch, k = divmod(step, steps_per_epoch)
-        order = np.random.default_rng([args.seed, epoch]).permutation(n_train)
-        batch_idx = order[k * args.batch_size :][: args.batch_size]
+        batch_idx = data.batch_indices(args.seed, step, n_train, args.batch_size)
         local_idx = batch_idx[rank * local_batch_size :][:local_batch_size]
         # 5a. RPO's token mean is over the global batch's chosen tokens: the same at any rank count
-        chosen_tokens_per_pair = train_lengths[batch_idx, 0].float().mean()
+        mean_chosen = train_lengths[batch_idx, 0].float().mean()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         # 5b. forward and backward over micro-batches; FSDP2 reduces gradients on the last one
@@ -293,10 +242,11 @@ def main(args: Args):
             idx = local_idx[micro * micro_batch_size :][:micro_batch_size]
             if dist.is_initialized():
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
-            logps = pair_logprobs(forward_model, *pair_tensors(train, idx, device), pad, eos, ctx)
+            batch = data.split_tensors(train, idx, device)  # query, chosen, rejected
+            with ctx:
+                logps = data.response_logprobs(forward_model, *batch)  # (B, 2)
             loss, rewards = pair_loss(logps, ref_train[idx], train_lengths[idx], args)
-            len_chosen = train_lengths[idx, 0]
-            nll = rpo_nll(logps[:, 0], len_chosen, args.rpo_normalization, chosen_tokens_per_pair)
+            nll = rpo_nll(logps[:, 0], train_lengths[idx, 0], args.rpo_normalization, mean_chosen)
             loss_sum = (loss + args.rpo_alpha * nll).sum()
             # FSDP2 averages gradients over ranks: times world_size makes the global batch's mean
             (loss_sum * world_size / args.batch_size).backward()
@@ -340,13 +290,7 @@ def main(args: Args):
     finish_run(args, "dpo")
 
 
-SHOW = (
-    "train/loss",
-    "rewards/margins",
-    "eval/preference_accuracy",
-    "eval/accuracy",
-    "perf/tokens_per_sec",
-)
+SHOW = ("train/loss", "eval/preference_accuracy", "eval/accuracy", "perf/tokens_per_sec")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,6 +462,10 @@ def finish_run(args, algo):
         os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].finish()
+    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def read_metrics(path: str) -> list[dict]:
 COLUMNS = [
     # greedy answers to held-out prompts, checked by the task's verifier
     ("eval accuracy", "eval/accuracy"),
-    # held-out chosen/rejected pairs ranked right
+    # held-out chosen/rejected pairs ranked right by the implicit reward log π/π_ref against the
+    # stage's starting policy, ties half (0.5 at the start); the reward model's by its score
     ("preference accuracy", "eval/preference_accuracy"),
     # normalised RM score of greedy answers (ppo.py, the stage with an RM)
     ("reward-model score", "eval/score"),
@@ -245,9 +246,11 @@ def main(args: Args):
     command = " ".join(sys.argv)
     text = (
         f"Pipeline results (seeds {seeds}; {os.cpu_count()} CPUs; `{command}`)\n\n{table}\n\n"
-        "a → b: the stage's starting policy (the SFT model) → its final policy, greedy decoding on "
-        "the same held-out prompts. KL to reference: the final policy's KL(π‖π_SFT) in nats per "
-        "response on held-out prompts.\n"
+        "a → b: the stage's starting policy (the SFT model; for sft its initial model) → its final "
+        "policy, greedy decoding on the same held-out prompts. Preference accuracy: held-out "
+        "pairs ranked right by log π/π_ref against the starting policy, ties counted half (a "
+        "policy equal to its reference: 0.5); for the reward model, by its score. KL to reference: "
+        "the final policy's KL(π‖π_SFT) in nats per response on held-out prompts.\n"
     )
     if len(args.seeds) > 1:
         text += "Several seeds: median [min, max] over the seeds.\n"

@@ -4,8 +4,9 @@ Stiennon et al. 2020 ("Learning to summarize from human feedback") and Ouyang et
 (InstructGPT) start RLHF from a policy fine-tuned with next-token cross-entropy on demonstrations.
 The loss is on the response tokens only, up to and including the stop token, so that the model
 learns to stop. It is normalised by the response tokens of the whole global batch, so that 1 rank
-and N ranks, and any micro-batch split, make the same update. Eval: the teacher-forced loss on
-held-out pairs and, for a task with a verifier, the accuracy of greedy generations.
+and N ranks, and any micro-batch split, make the same update. Eval, from step 0: the loss on
+sft_test, greedy accuracy on prompt_test (with a verifier) and preference accuracy on pref_test
+(where prepped): the implicit reward log π/π_ref against the starting model, ties counted half.
 
     python sft.py                                    # tiny GPT-2 from scratch, offline arithmetic
     torchrun --nproc_per_node=2 sft.py               # the same run, FSDP2 over 2 ranks
@@ -30,10 +31,8 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import state_dict as dcp
@@ -75,16 +74,13 @@ class Args:
 # SFT: the loss on response tokens
 
 
-def sft_loss_sums(model, query, response, pad_token_id, eos_token_id, ctx):
+def sft_loss_sums(model, query, response, ctx):
     """Summed NLL of the response tokens (to and including the stop token), and their count."""
-    mask = gpt2.response_mask(response, eos_token_id)  # (B, Tr)
-    attention_mask = torch.cat([query != pad_token_id, mask], 1)
     with ctx:
-        # position t predicts token t + 1: the last token is only predicted, so it is not an input
-        inputs = torch.cat([query, response[:, :-1]], 1)
-        logits = model(inputs, attention_mask[:, :-1], keep_from=query.size(1) - 1)  # (B, Tr, V)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), response.flatten().long(), reduction="none")
-    return (nll.view_as(mask) * mask).sum(), mask.sum()
+        logprobs = gpt2.logprobs(model, query, response)[0]  # (B, Tr), 0 past the stop token
+    mask = gpt2.response_mask(response, model.config.eos_token_id)  # (B, Tr)
+    nll = -logprobs * mask
+    return nll.sum(), mask.sum()
 
 
 def lr_at(step, args):
@@ -111,11 +107,16 @@ def main(args: Args):
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     torch.manual_seed(args.seed)
 
-    # 2. data
+    # 2. data, and the held-out preference pairs where the dataset has them
     meta = data.load_meta(args.data)
     train, test = data.load_split(args.data, "sft_train"), data.load_split(args.data, "sft_test")
     prompts = data.load_split(args.data, "prompt_test") if meta.get("task") else None
+    has_pairs = data.has_split(args.data, "pref_test")
+    pairs = data.load_split(args.data, "pref_test") if has_pairs else None
     pad, eos, n_train = meta["pad_token_id"], meta["eos_token_id"], len(train["query"])
+    n_test = min(args.eval_size, len(test["query"]))
+    test_tokens = data.response_lengths(test, n_test, eos, data.RESPONSE).sum().item()
+    n_pairs = min(args.eval_size, len(pairs["query"])) if has_pairs else 0
     if n_train < args.batch_size:
         raise RunError(f"sft_train has {n_train} examples: lower --batch_size {args.batch_size}")
 
@@ -127,50 +128,39 @@ def main(args: Args):
         raise RunError(f"prompt + response ({length} tokens) exceed the context: prep shorter")
     model.activation_checkpointing = args.activation_checkpointing
     shard(model, device, bf16)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # not biases and LayerNorms
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        dict(params=decay, weight_decay=args.weight_decay),
-        dict(params=no_decay, weight_decay=0),
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay)]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0, fused=True)
     forward_model = torch.compile(model) if args.compile else model
     models = {"model": (model, optimizer)}
+    # the implicit reward's reference: the starting model, scored before a resume loads weights
+    ref_logps = data.split_logprobs(model, pairs, n_pairs, micro_batch_size, ctx)  # (n_pairs, 2)
     start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
 
     def evaluate():
-        """Teacher-forced loss on sft_test and, with a verifier, greedy accuracy on prompt_test."""
-        model.eval()
-        n = min(args.eval_size, len(test["query"])) // world_size * world_size  # equal shares
-        idx, sums = np.arange(rank, n, world_size), torch.zeros(2, device=device)
-        with torch.no_grad():
-            for i in data.progress(range(0, len(idx), micro_batch_size), "eval loss", show=MASTER):
-                j = idx[i : i + micro_batch_size]
-                query, response = (
-                    torch.from_numpy(test[k][j]).to(device) for k in ("query", "response")
-                )
-                query, response = gpt2.trim_padding(query, response, pad, eos)
-                sums += torch.stack(sft_loss_sums(model, query, response, pad, eos, ctx))
-        nll, tokens = all_reduce(sums).tolist()
-        model.train()
-        out = {"eval/loss": nll / max(tokens, 1)}
+        """Loss per response token, preference accuracy (0.5 at step 0) and greedy accuracy."""
+        logps = data.split_logprobs(model, test, n_test, micro_batch_size, ctx, data.RESPONSE)
+        out = {"eval/loss": -logps.sum().item() / test_tokens}
+        if n_pairs:
+            logps = data.split_logprobs(model, pairs, n_pairs, micro_batch_size, ctx)
+            out["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_logps)
         if prompts is not None:
             out["eval/accuracy"] = data.greedy_accuracy(
                 model, prompts, meta, args.eval_size, micro_batch_size, args.response_length, ctx
             )
         return out
 
+    if start == 0 and args.eval_size > 0:  # the starting model
+        log_metrics(args.out_dir, 0, evaluate(), SHOW)
+
     # 4. training loop: one permutation of the data per epoch, keyed by (seed, epoch); rank r takes
     # its slice of each global batch, so any number of ranks sees the same global batches
-    steps_per_epoch = n_train // args.batch_size
     t0, tokens = time.time(), torch.zeros((), device=device)
-    model.train()
     for step in range(start, args.total_steps):
-        epoch, k = divmod(step, steps_per_epoch)
-        order = np.random.default_rng([args.seed, epoch]).permutation(n_train)
-        local_idx = order[k * args.batch_size :][rank * local_batch_size :][:local_batch_size]
-        b_query = torch.from_numpy(train["query"][local_idx]).to(device)
-        b_response = torch.from_numpy(train["response"][local_idx]).to(device)
+        batch_idx = data.batch_indices(args.seed, step, n_train, args.batch_size)
+        local_idx = batch_idx[rank * local_batch_size :][:local_batch_size]
+        b_query, b_response = data.split_tensors(train, local_idx, device, data.RESPONSE)
         # 4a. normalise by the global count of response tokens: the same update at any rank count
         n_tokens = all_reduce(gpt2.response_mask(b_response, eos).sum().float())
         for group in optimizer.param_groups:
@@ -181,34 +171,28 @@ def main(args: Args):
             s = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
             if dist.is_initialized():
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
-            mb_query, mb_response = gpt2.trim_padding(b_query[s], b_response[s], pad, eos)
-            nll_sum, count = sft_loss_sums(forward_model, mb_query, mb_response, pad, eos, ctx)
+            nll_sum, count = sft_loss_sums(forward_model, b_query[s], b_response[s], ctx)
             # FSDP2 averages gradients over ranks: times world_size makes sum / global count
             (nll_sum * world_size / n_tokens).backward()
             loss_sum += nll_sum.detach()
-            tokens += count + (mb_query != pad).sum()
+            tokens += count + (b_query[s] != pad).sum()
         # 4c. clip (the returned norm is the global one, before clipping) and step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        loss = all_reduce(loss_sum) / n_tokens
+        done, loss = step + 1, all_reduce(loss_sum) / n_tokens
         if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
-            raise RunError(
-                f"non-finite loss {loss.item()} or grad norm at step {step + 1}: lower --lr; the "
-                f"last good checkpoint is in {args.out_dir}/checkpoints (--resume)"
-            )
+            raise RunError(f"non-finite loss or grad norm at step {done}: lower --lr (or --resume)")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
         # 4d. log, evaluate, checkpoint
-        done = step + 1
         eval_now = done % args.eval_every == 0 or done == args.total_steps
         if done % args.log_every == 0 or step == start or eval_now:
-            tokens = all_reduce(tokens.float()).item()
             metrics = {
                 "train/loss": loss.item(),
                 "train/grad_norm": grad_norm.item(),
                 "train/lr": lr_at(step, args),
-                "perf/tokens_per_sec": tokens / (time.time() - t0),
+                "perf/tokens_per_sec": all_reduce(tokens.float()).item() / (time.time() - t0),
             }
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
@@ -393,6 +377,10 @@ def finish_run(args, algo):
         os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].finish()
+    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import gpt2
 from data.tokenizer import get_encoding, portable_name, resolve_name
@@ -141,6 +142,14 @@ def load_meta(data: str) -> dict:
         raise RunError(f"{data}/meta.json is damaged ({e!r}): prep the dataset again") from None
 
 
+def has_split(data: str, split: str) -> bool:
+    """Whether the dataset holds the split (an optional eval such as pref_test may be absent)."""
+    _check_dir(data)
+    if data == "arithmetic":
+        return split in _builtin(data)[1]
+    return os.path.isfile(os.path.join(data, split + ".npz"))
+
+
 def load_split(data: str, split: str) -> dict[str, np.ndarray]:
     """The arrays of one split, e.g. load_split("arithmetic", "sft_train")["query"]."""
     _check_dir(data)
@@ -161,6 +170,14 @@ def load_split(data: str, split: str) -> dict[str, np.ndarray]:
         raise RunError(
             f"cannot read {path} ({e.__class__.__name__}): prep the dataset again"
         ) from None
+
+
+def batch_indices(seed: int, step: int, n: int, batch_size: int) -> np.ndarray:
+    """Rows of the global batch of a step: one permutation of the n rows per epoch, keyed by (seed,
+    epoch) and cut into n // batch_size batches, so any number of ranks sees the same batches.
+    Every key ends in a nonzero stream tag: numpy ignores trailing zeros ([seed, 0] is [seed])."""
+    epoch, k = divmod(step, n // batch_size)
+    return np.random.default_rng([seed, epoch, 1]).permutation(n)[k * batch_size :][:batch_size]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,3 +236,116 @@ def greedy_accuracy(model, prompts, meta, eval_size, batch_size, response_length
     if dist.is_initialized():
         dist.all_reduce(correct)
     return correct.item() / max(n, 1)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. 2021's unbiased pass@k of a prompt with c correct of n samples, 1 - C(n-c, k) /
+    C(n, k), in their product form: no binomial grows past a float."""
+    if not (0 < k <= n and 0 <= c <= n):
+        raise ValueError(f"pass@{k} of {c} correct in {n} samples: need 0 < k <= n, 0 <= c <= n")
+    if n - c < k:  # every set of k samples holds a correct one
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+EVAL_STREAM = 10**9  # sampled_accuracy's noise is keyed by [seed, EVAL_STREAM]: past any step
+
+
+@torch.no_grad()
+def sampled_accuracy(
+    model, prompts, meta, eval_size, batch_size, response_length, ctx, samples, temperature, seed
+) -> dict:
+    """eval/pass@k (k = 1, 2, 4, ... up to samples, and samples) and eval/mean@samples of `samples`
+    responses per prompt at `temperature`, over the first eval_size prompts of a split and all ranks
+    (equal strided shares, as greedy_accuracy). Prompt p's uniforms are row p of one global array
+    keyed by (seed, EVAL_STREAM): any rank count samples the same responses, every eval alike."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    n = min(eval_size, len(prompts["query"])) // world_size * world_size
+    idx, device = np.arange(rank, n, world_size), next(model.parameters()).device
+    length = min(response_length, model.config.block_size - prompts["query"].shape[1])
+    noise = np.random.default_rng([seed, EVAL_STREAM]).random((n, samples, length), np.float32)
+    # this rank's (prompt, sample) rows, batch_size at a time whatever `samples` is
+    prompt, sample = np.repeat(idx, samples), np.tile(np.arange(samples), len(idx))
+    correct = np.zeros(len(prompt))
+    was_training = model.training
+    model.eval()
+    for i in progress(range(0, len(prompt), batch_size), "eval pass@k", show=rank == 0):
+        p, s = prompt[i : i + batch_size], sample[i : i + batch_size]
+        query = torch.from_numpy(prompts["query"][p]).to(device)
+        u = torch.from_numpy(noise[p, s]).to(device)
+        with ctx:
+            rollout = gpt2.generate(
+                model, query, meta["pad_token_id"], length, meta["eos_token_id"], temperature, u
+            )
+        correct[i : i + len(p)] = verify_batch(
+            meta, rollout.response.tolist(), prompts["ground_truth"][p]
+        )
+    model.train(was_training)
+    ks = sorted({2**i for i in range(samples.bit_length())} | {samples})
+    per_prompt = [
+        [pass_at_k(samples, int(c), k) for k in ks] + [c / samples]
+        for c in correct.reshape(len(idx), samples).sum(1)
+    ]
+    sums = torch.tensor(np.sum(per_prompt, 0) if per_prompt else [0.0] * (len(ks) + 1))
+    sums = sums.to(device, torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    names = [f"eval/pass@{k}" for k in ks] + [f"eval/mean@{samples}"]
+    return dict(zip(names, (sums / max(n, 1)).tolist()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Scored responses: the summed log-probs of a split's responses (the SFT eval loss, DPO's pairs),
+# and the implicit reward's accuracy on preference pairs (every policy against its reference)
+
+PAIR = ("chosen", "rejected")  # a preference split's responses to each query
+RESPONSE = ("response",)  # an SFT split's
+
+
+def split_tensors(split, idx, device, keys=PAIR) -> list[torch.Tensor]:
+    """Rows idx of a split as [query, *responses] tensors on device."""
+    return [torch.from_numpy(split[k][idx]).to(device) for k in ("query", *keys)]
+
+
+def response_lengths(split, n, eos_token_id, keys=PAIR) -> torch.Tensor:
+    """(n, R): tokens of the first n responses of each key, up to and including the stop."""
+    masks = [gpt2.response_mask(torch.from_numpy(split[k][:n]), eos_token_id) for k in keys]
+    return torch.stack([m.sum(1) for m in masks], 1)
+
+
+def response_logprobs(model, query, *responses) -> torch.Tensor:
+    """log π (B, R) of R responses to each query (B, Tq), each summed up to and including its stop
+    token: one gpt2.logprobs call on R·B rows padded to one width (pad and stop ids are
+    model.config's). Differentiable; call it under the autocast context."""
+    pad, width = model.config.pad_token_id, max(r.size(1) for r in responses)
+    padded = [F.pad(r, (0, width - r.size(1)), value=pad) for r in responses]
+    logprobs = gpt2.logprobs(model, query.repeat(len(responses), 1), torch.cat(padded))[0]
+    return logprobs.sum(1).view(len(responses), -1).T
+
+
+@torch.no_grad()
+def split_logprobs(model, split, n, batch_size, ctx, keys=PAIR) -> torch.Tensor:
+    """response_logprobs (n, R) of a split's first n rows, on every rank. Each rank scores an equal
+    share, the last row again past the end: FSDP2 needs every rank in every forward."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device, share = next(model.parameters()).device, -(-n // world_size)
+    out, was_training = torch.zeros(n, len(keys), device=device), model.training
+    model.eval()
+    for i in progress(range(0, share, batch_size), "log-probs", show=rank == 0):
+        idx = np.arange(rank * share + i, rank * share + min(i + batch_size, share))
+        batch = split_tensors(split, idx.clip(max=n - 1), device, keys)  # query, *responses
+        with ctx:
+            logps = response_logprobs(model, *batch)
+        out[idx[idx < n]] = logps[: (idx < n).sum()]
+    model.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(out)
+    return out
+
+
+def preference_accuracy(logps, ref_logps) -> float:
+    """The share of pairs whose implicit reward r = log π - log π_ref (from (B, 2) chosen, rejected
+    log-probs) ranks the chosen response first, a tie counting half: a policy equal to its
+    reference scores 0.5 exactly. DPO's β > 0 scales r, so it cannot flip a ranking."""
+    r = logps - ref_logps
+    return ((r[:, 0] > r[:, 1]).double() + 0.5 * (r[:, 0] == r[:, 1]).double()).mean().item()

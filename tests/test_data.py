@@ -9,12 +9,16 @@ import shutil
 import socket
 import subprocess
 import sys
+from contextlib import nullcontext
+from math import comb
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import data
+import gpt2
 from data import arithmetic, get_encoding, load_meta, load_split, verify
 from data.prep import parse_args, prep
 
@@ -376,3 +380,87 @@ def test_meta_tokenizer_is_portable(tmp_path):
 def test_progress_lines(capsys):
     assert list(data.progress(range(3), "tokenize", every=0)) == [0, 1, 2]
     assert "tokenize: 3/3 (" in capsys.readouterr().out
+
+
+# ---- the shared evals: pass@k, sampled accuracy, preference accuracy
+
+
+def test_pass_at_k_by_hand():
+    assert data.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2) / C(5,2)
+    assert data.pass_at_k(10, 3, 4) == pytest.approx(1 - 35 / 210)  # 1 - C(7,4) / C(10,4)
+    assert data.pass_at_k(8, 3, 1) == pytest.approx(3 / 8)  # pass@1 is the fraction correct
+    assert data.pass_at_k(4, 0, 4) == 0.0 and data.pass_at_k(4, 1, 4) == 1.0
+    assert data.pass_at_k(6, 4, 3) == 1.0  # n - c < k: every 3 samples hold a correct one
+    assert data.pass_at_k(1000, 1, 500) == pytest.approx(0.5)  # C(1000, 500) overflows a float
+    for bad in [(4, 1, 5), (4, 1, 0), (4, 5, 1)]:
+        with pytest.raises(ValueError):
+            data.pass_at_k(*bad)
+
+
+def peaked_model(logit_of: dict):
+    """A tiny GPT whose next-token logits are the same at every position: ln_f outputs e_0, so the
+    logits are wte[:, 0], set to logit_of[token] (0 for every other token)."""
+    model = gpt2.load("tiny", dict(vocab_size=257, eos_token_id=EOT, pad_token_id=EOT))
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()[0] = 1
+        model.transformer.wte.weight[:, 0] = 0
+        for token, logit in logit_of.items():
+            model.transformer.wte.weight[token, 0] = logit
+    return model
+
+
+def test_sampled_accuracy_equals_a_hand_loop():
+    """Each step writes "5" or stops with probability 1/2; by inverse CDF "5" (id 53 < stop 256) is
+    sampled where u < 1/2. Prompts want "" or "5"; pass@k from the binomials, prompt by prompt."""
+    model = peaked_model({ord("5"): 30.0, EOT: 30.0})
+    prompts = dict(load_split("arithmetic", "prompt_test"))
+    prompts["ground_truth"] = np.array(["", "5"] * (len(prompts["query"]) // 2))
+    n, samples, length, seed = 12, 6, 4, 3
+    got = data.sampled_accuracy(
+        model, prompts, arithmetic.META, n, 5, length, nullcontext(), samples, 1.0, seed
+    )
+    assert list(got) == [f"eval/pass@{k}" for k in (1, 2, 4, 6)] + ["eval/mean@6"]
+    noise = np.random.default_rng([seed, data.EVAL_STREAM]).random((n, samples, length), np.float32)
+    want = {k: 0.0 for k in got}
+    for p in range(n):
+        fives = (noise[p] < 0.5).cumprod(1).sum(1)  # (samples,): the 5s before the first stop
+        c = int(sum("5" * f == prompts["ground_truth"][p] for f in fives))
+        for k in (1, 2, 4, 6):
+            want[f"eval/pass@{k}"] += (1 - comb(samples - c, k) / comb(samples, k)) / n
+        want["eval/mean@6"] += c / samples / n
+    assert got == pytest.approx(want, abs=1e-12)
+    assert 0 < got["eval/pass@1"] < got["eval/pass@2"] < got["eval/pass@6"] < 1  # not degenerate
+    assert got["eval/pass@1"] == pytest.approx(got["eval/mean@6"], abs=1e-12)
+
+
+def test_sampled_accuracy_of_a_model_that_is_always_right_or_always_wrong():
+    model = peaked_model({EOT: 30.0})  # it always stops at once: the answer ""
+    prompts = dict(load_split("arithmetic", "prompt_test"))
+    for truth, want in [("", 1.0), ("5", 0.0)]:
+        prompts["ground_truth"] = np.array([truth] * len(prompts["query"]))
+        got = data.sampled_accuracy(
+            model, prompts, arithmetic.META, 8, 16, 4, nullcontext(), 4, 2.0, 1
+        )
+        assert got == {"eval/pass@1": want, "eval/pass@2": want, "eval/pass@4": want} | {
+            "eval/mean@4": want
+        }
+
+
+def test_preference_accuracy_counts_ties_half():
+    logps = torch.tensor([[-1.0, -2.0], [-3.0, -1.0], [-2.0, -2.0], [-4.0, -5.0]])
+    ref = torch.tensor([[-1.5, -1.5], [-3.0, -1.0], [-1.0, -3.0], [-4.0, -4.0]])
+    # r = logps - ref: chosen first, tie, rejected first, chosen first
+    assert data.preference_accuracy(logps, ref) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+    assert data.preference_accuracy(logps, logps) == 0.5  # a policy equal to its reference
+    assert data.preference_accuracy(logps, torch.zeros(4, 2)) == pytest.approx(
+        (1 + 0 + 0.5 + 1) / 4
+    )
+
+
+def test_has_split(tmp_path):
+    splits = arithmetic.build(sizes=dict(sft_train=4, sft_test=4))
+    data.write_dataset(str(tmp_path / "d"), arithmetic.META, splits)
+    assert data.has_split(str(tmp_path / "d"), "sft_test")
+    assert not data.has_split(str(tmp_path / "d"), "pref_test")
+    assert data.has_split("arithmetic", "pref_test")

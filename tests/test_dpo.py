@@ -1,6 +1,7 @@
-"""dpo.py: every loss variant against its formula written out by hand, ln 2 at the start, a step
-raises the chosen-rejected margin, log-probs stop at the stop token (pad = eos or not), the pair
-limit, a tiny run, 1 rank == 2 ranks (FSDP2, gloo), resume, one-line errors."""
+"""dpo.py: every loss variant against its formula written out by hand, ln 2 and preference accuracy
+0.5 at the start, a step raises the chosen-rejected margin, log-probs (data.response_logprobs) stop
+at the stop token (pad = eos or not), the pair limit, a tiny run, 1 rank == 2 ranks (FSDP2, gloo),
+resume, one-line errors."""
 
 import json
 import math
@@ -8,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -142,7 +142,7 @@ def test_pair_logprobs_sum_to_stop_token_and_ignore_padding():
     query = torch.tensor([[EOS, 5, 6], [7, 8, 9]])
     chosen = torch.tensor([[10, EOS, EOS, EOS], [11, 12, EOS, EOS]])
     rejected = torch.tensor([[13, 14, EOS], [EOS, EOS, EOS]])  # another width; a bare stop token
-    got = dpo.pair_logprobs(model, query, chosen, rejected, EOS, EOS, nullcontext())
+    got = data.response_logprobs(model, query, chosen, rejected)
     with torch.no_grad():  # unpadded, one row at a time; the stop token counts, what follows not
         for i, q in enumerate([[5, 6], [7, 8, 9]]):
             for j, (response, n) in enumerate([(chosen, [2, 3][i]), (rejected, [3, 1][i])]):
@@ -163,15 +163,14 @@ def test_pad_other_than_eos_gives_the_same_logprobs_and_losses():
     rejected = [[20, 21, EOS, P, P], [22, EOS, P, P, P], [23, 24, 25, 26, EOS]]
     out = {}
     for pad in (EOS, 257):
+        model.config.pad_token_id = pad  # as gpt2.load sets it from the data's meta
         rows = [
             [[pad if t == P else t for t in row] for row in x] for x in (query, chosen, rejected)
         ]
         split = {k: torch.tensor(x).numpy() for k, x in zip(("query", "chosen", "rejected"), rows)}
         with torch.no_grad():
-            logps = dpo.pair_logprobs(
-                model, *dpo.pair_tensors(split, [0, 1, 2], "cpu"), pad, EOS, nullcontext()
-            )
-        lengths = dpo.pair_lengths(split, 3, EOS)
+            logps = data.response_logprobs(model, *data.split_tensors(split, [0, 1, 2], "cpu"))
+        lengths = data.response_lengths(split, 3, EOS)
         assert lengths.tolist() == [[2, 3], [3, 2], [4, 5]]
         args = [dpo.Args(loss_type=t, beta=0.5) for t in dpo.LOSSES]
         losses = [
@@ -185,17 +184,17 @@ def test_pad_other_than_eos_gives_the_same_logprobs_and_losses():
 def test_one_step_raises_the_chosen_minus_rejected_margin():
     torch.manual_seed(0)
     model = gpt2.load("tiny", META)
-    batch = dpo.pair_tensors(data.load_split("arithmetic", "pref_train"), range(16), "cpu")
+    batch = data.split_tensors(data.load_split("arithmetic", "pref_train"), range(16), "cpu")
     with torch.no_grad():
-        ref = dpo.pair_logprobs(model, *batch, EOS, EOS, nullcontext())
+        ref = data.response_logprobs(model, *batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    logps = dpo.pair_logprobs(model, *batch, EOS, EOS, nullcontext())
+    logps = data.response_logprobs(model, *batch)
     loss = dpo.pair_loss(logps, ref, None, dpo.Args(beta=0.1))[0].mean()
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
     loss.backward()
     optimizer.step()
     with torch.no_grad():
-        new = dpo.pair_logprobs(model, *batch, EOS, EOS, nullcontext())
+        new = data.response_logprobs(model, *batch)
     margin = lambda x: (x[:, 0] - x[:, 1]).mean()
     assert margin(new) > margin(ref) + 1e-3
 
@@ -210,9 +209,10 @@ def test_tiny_run_starts_at_ln2_and_saves(tmp_path, small):
     run(["--out_dir", str(tmp_path), *common, *SMALL, *small])
     m = metrics(tmp_path)
     start, first, last = m[0], m[1], m[-1]
-    # step 0: π = π_ref to the bit (the same forward scores both), so every reward is 0
+    # step 0: π = π_ref to the bit (the same forward scores both), so every reward is 0 and every
+    # pair a tie, counted half
     assert start["step"] == 0 and start["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert start["eval/preference_accuracy"] == 0 and start["eval/rewards_margins"] == 0
+    assert start["eval/preference_accuracy"] == 0.5 and start["eval/rewards_margins"] == 0
     assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert first["rewards/margins"] == pytest.approx(0, abs=1e-5)
     assert last["rewards/margins"] > 0.1 and last["train/loss"] < math.log(2) - 0.05
@@ -229,7 +229,7 @@ def test_bf16_under_fsdp2_starts_at_ln2(tmp_path, small):
     run(["--out_dir", str(tmp_path), *common, *SMALL, *small], nproc=2)
     start, first = metrics(tmp_path)
     assert start["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert start["eval/rewards_margins"] == 0 and start["eval/preference_accuracy"] == 0
+    assert start["eval/rewards_margins"] == 0 and start["eval/preference_accuracy"] == 0.5
     assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 

@@ -50,8 +50,12 @@ def metrics(out_dir):
 def test_tiny_run_learns_and_saves(tmp_path):
     run(["--out_dir", str(tmp_path), "--total_steps", "40", "--eval_every", "40", *SMALL])
     m = metrics(tmp_path)
-    assert m[-1]["train/loss"] < m[0]["train/loss"] - 1.0  # from ~5.5 (uniform over 257) down
-    assert "eval/accuracy" in m[-1] and "eval/loss" in m[-1]
+    assert m[0]["step"] == 0 and m[0]["eval/loss"] == pytest.approx(m[1]["train/loss"], abs=0.2)
+    # step 0: the policy is its own reference, every implicit reward 0, every pair a tie
+    assert m[0]["eval/preference_accuracy"] == 0.5
+    assert m[-1]["train/loss"] < m[1]["train/loss"] - 1.0  # from ~5.5 (uniform over 257) down
+    assert "eval/accuracy" in m[-1] and m[-1]["eval/loss"] < m[0]["eval/loss"] - 1.0
+    assert m[-1]["eval/preference_accuracy"] != 0.5
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
     assert json.load(open(tmp_path / "args.json"))["total_steps"] == 40
 
@@ -61,10 +65,11 @@ def test_one_rank_equals_two_ranks(tmp_path):
     run(["--out_dir", str(tmp_path / "r1"), *common], nproc=1)
     run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
     a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
-    assert len(a) == len(b) == 8
-    for x, y in zip(a, b):
+    assert len(a) == len(b) == 9  # step 0's eval, then 8 steps
+    for x, y in zip(a[1:], b[1:]):
         assert abs(x["train/loss"] - y["train/loss"]) < 1e-4, (x, y)
-    assert abs(a[-1]["eval/loss"] - b[-1]["eval/loss"]) < 1e-4
+    for key in ("eval/loss", "eval/preference_accuracy", "eval/accuracy"):
+        assert abs(a[-1][key] - b[-1][key]) < 1e-4, key
 
 
 def test_compile_matches_eager(tmp_path):
@@ -73,8 +78,8 @@ def test_compile_matches_eager(tmp_path):
     run(["--out_dir", str(tmp_path / "eager"), *common])
     run(["--out_dir", str(tmp_path / "compiled"), "--compile", *common])
     a, b = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
-    assert len(a) == len(b) == 4
-    for x, y in zip(a, b):
+    assert len(a) == len(b) == 5  # step 0's eval, then 4 steps
+    for x, y in zip(a[1:], b[1:]):
         assert abs(x["train/loss"] - y["train/loss"]) < 1e-3, (x, y)
 
 
@@ -85,11 +90,13 @@ def test_resume_matches_uninterrupted(tmp_path):
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000006"
     shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
     run(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
-    full = {m["step"]: m["train/loss"] for m in metrics(tmp_path / "full")}
-    resumed = {m["step"]: m["train/loss"] for m in metrics(tmp_path / "resumed")}
+    full = {m["step"]: m for m in metrics(tmp_path / "full")}
+    resumed = {m["step"]: m for m in metrics(tmp_path / "resumed")}
     assert min(resumed) == 7
-    for step, loss in resumed.items():
-        assert abs(loss - full[step]) < 1e-5, (step, loss, full[step])
+    for step, m in resumed.items():
+        assert abs(m["train/loss"] - full[step]["train/loss"]) < 1e-5, (step, m, full[step])
+    # the reference is the starting model (--model), scored before the checkpoint is loaded
+    assert resumed[12]["eval/preference_accuracy"] == full[12]["eval/preference_accuracy"] != 0.5
 
 
 def test_sigterm_saves_checkpoint_then_resume_finishes(tmp_path):
@@ -159,7 +166,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
         m["step"]: m for m in metrics(out)
     }  # last row per step (steps after the checkpoint are logged twice)
     assert resumed.keys() == full.keys()
-    for step, m in full.items():
+    for step, m in list(full.items())[1:]:  # after step 0's eval
         assert abs(resumed[step]["train/loss"] - m["train/loss"]) < 1e-5, (step, resumed[step], m)
 
 
@@ -219,14 +226,14 @@ def test_rerun_into_a_finished_run_needs_resume_or_overwrite(tmp_path):
         and "--overwrite" in p.stderr
     )
     assert (
-        len(p.stderr.strip().splitlines()) == 1 and len(metrics(tmp_path)) == 4
+        len(p.stderr.strip().splitlines()) == 1 and len(metrics(tmp_path)) == 5
     )  # the old run is untouched
     for _ in range(3):  # the same command again and again: each replaces the last, never mixes
         run([*common, "--overwrite", "--seed", "2"])
-        assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
+        assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4]
     for _ in range(3):  # and --resume of a finished run is a no-op that keeps its files
         run([*common, "--resume"])
-        assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
+        assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4]
 
 
 def test_default_run_dirs_are_fresh_and_latest_links_the_last_finished(tmp_path):
@@ -264,7 +271,7 @@ def test_stale_temp_dir_of_a_killed_save_is_cleaned_and_resume_continues(tmp_pat
         "step_00000004",
         "step_00000006",
     ]
-    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
@@ -279,6 +286,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
         and "step_00000002" in p.stdout
     )
     assert [m["step"] for m in metrics(tmp_path)] == [
+        0,
         1,
         2,
         3,
@@ -306,6 +314,17 @@ def test_a_second_run_into_a_locked_out_dir_stops(tmp_path):
         assert p.returncode == 1 and "another run is writing to" in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
     run(["--out_dir", str(tmp_path), "--total_steps", "2", "--eval_every", "2", *SMALL])
+
+
+def test_data_without_preference_pairs_skips_preference_accuracy(tmp_path):
+    from data import arithmetic, write_dataset
+
+    sizes = dict(sft_train=16, sft_test=8, prompt_test=8)
+    write_dataset(str(tmp_path / "d"), arithmetic.META, arithmetic.build(sizes=sizes))
+    common = ["--total_steps", "2", "--eval_every", "2", "--data", str(tmp_path / "d"), *SMALL]
+    run(["--out_dir", str(tmp_path / "run"), *common])
+    m = metrics(tmp_path / "run")
+    assert "eval/accuracy" in m[-1] and not any("eval/preference_accuracy" in r for r in m)
 
 
 def test_eval_size_0_means_no_eval(tmp_path):
