@@ -5,16 +5,21 @@ score them (the task's verifier and/or a reward model from reward.py) and give e
 response the group-normalised reward (r - mean) / std as its advantage. The loss is PPO's clipped
 surrogate plus beta * KL(pi_theta || pi_ref) (in the loss; PPO-RLHF puts it in the reward). Each
 later finding is one flag that picks a small function (docs/variants_grpo.md): KL estimators
-k1-k4; DAPO's clip-higher, dynamic sampling and overlong masking (arXiv 2503.14476); Dr. GRPO
-(arXiv 2503.20783); GSPO (arXiv 2507.18071); RLOO (arXiv 2402.14740). Deviations: sampling uses
-the full tempered distribution, so pi_old's log-probs are the sampler's own; each minibatch takes
-an equal share of every group, the same on any number of ranks.
+k1-k4 and TRL's rho k3, or the KL in the reward; DAPO's clip-higher, dynamic sampling, overlong
+masking and punishment (arXiv 2503.14476); Dr. GRPO (arXiv 2503.20783); GSPO (arXiv 2507.18071);
+RLOO (arXiv 2402.14740); CISPO (arXiv 2506.13585); dual-clip (arXiv 1912.09729); an entropy bonus,
+adaptive as Skywork-OR1's (arXiv 2505.22312); batch-std scaling; RSO's rejection sampling of
+candidates (arXiv 2309.06657). Deviations: sampling uses the full tempered distribution, so
+pi_old's log-probs are the sampler's own; each minibatch takes an equal share of every group, the
+same on any number of ranks.
 
     python grpo.py                                   # from runs/sft/latest, arithmetic verifier
     torchrun --nproc_per_node=2 grpo.py --beta 0.03  # a KL penalty, FSDP2 over 2 ranks
-    python grpo.py --clip_eps_high 0.28 --dynamic_sampling --mask_truncated    # DAPO
-    python grpo.py --no-scale_rewards_by_std --loss_aggregation dr_grpo        # Dr. GRPO
+    python grpo.py --clip_eps_high 0.28 --dynamic_sampling --overlong_buffer 4  # DAPO
+    python grpo.py --scale_rewards none --loss_aggregation dr_grpo             # Dr. GRPO
+    python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
     python grpo.py --reward_model runs/reward/latest --no-verifier --data DIR  # a learned reward
+    python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
 
@@ -69,21 +74,32 @@ class Args:
     response_length: int = 16  # max new tokens per response
     temperature: float = 1.0  # sampling temperature; the loss's log-probs use it too
     beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
-    kl_estimator: str = "k3"  # per-token KL estimate: k1, k2, k3 (DeepSeekMath) or k4
+    kl_estimator: str = "k3"  # per-token KL estimate: k1, k2, k3 (DeepSeekMath), k4 or k3_ratio
+    kl_in_reward: bool = False  # beta's KL (k1) in the reward, not in the loss (RLOO, verl)
+    loss_type: str = "ppo"  # `ppo` (the clipped surrogate) or `cispo` (MiniMax-M1)
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low (PPO: 0.2)
-    clip_eps_high: float = 0.2  # ratio clipped above at 1 + this (DAPO: 0.28)
+    clip_eps_high: float = 0.2  # ratio clipped above at 1 + this (DAPO: 0.28; CISPO's cap)
+    dual_clip: float | None = None  # cap a token's loss at -this x A where A < 0 (verl: 3.0)
     importance_level: str = "token"  # `token` ratios or `sequence` (GSPO)
     advantage: str = "grpo"  # `grpo` (r - group mean [/ std]) or `rloo` (leave one out)
-    scale_rewards_by_std: bool = True  # divide by the group's std (GRPO; Dr. GRPO does not)
+    scale_rewards: str = "group"  # divide r - group mean by the `group`'s std, `batch`'s or `none`
     batch_norm_advantages: bool = False  # whiten the advantages once more over the global batch
     loss_aggregation: str = "token"  # `token` (DAPO), `sequence` (DeepSeekMath) or `dr_grpo`
     mask_truncated: bool = False  # leave responses with no stop token out of the loss (DAPO)
     missing_eos_penalty: float | None = None  # subtracted from the score of a response with no stop
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last this many tokens
+    overlong_penalty: float = 1.0  # --overlong_buffer's penalty at --response_length
+    entropy_coef: float = 0.0  # the loss minus this x the token mean entropy (an entropy bonus)
+    entropy_target: float | None = None  # adapt --entropy_coef toward this entropy (Skywork-OR1)
+    entropy_coef_delta: float = 0.005  # --entropy_target's step of the coefficient per step
     dynamic_sampling: bool = False  # resample groups with equal rewards (DAPO)
     max_sampling_rounds: int = 4  # --dynamic_sampling's extra rounds per step at most
+    rejection_sampling_candidates: int = 0  # RSO: sample this many per prompt, keep G (0: off)
+    rso_temperature: float = 2.0  # RSO's beta: a candidate is kept w.p. exp((r - r_max) / this)
     recompute_old_logprobs: bool = False  # π_old from a forward pass, not the sampler's
     eval_every: int = 50  # steps between evals (greedy accuracy on prompt_test) and checkpoints
     eval_size: int = 500  # held-out prompts for the eval accuracy (0: no eval)
+    eval_samples: int = 0  # also sampled pass@k and mean@n, n samples per eval prompt (0: off)
     log_every: int = 1  # steps between status lines and metrics rows
     keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints
     dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
@@ -103,6 +119,8 @@ KL_ESTIMATORS = {
     "k2": lambda logr, log_w: 0.5 * logr.square(),
     "k3": lambda logr, log_w: torch.expm1(-logr) + logr,
     "k4": lambda logr, log_w: torch.exp(log_w) * logr,
+    # TRL 1.16's default (use_bias_correction_kl): rho k3, its rho not detached, as in TRL
+    "k3_ratio": lambda logr, log_w: torch.exp(log_w) * (torch.expm1(-logr) + logr),
 }
 
 
@@ -111,17 +129,27 @@ def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator):
     through new_logprobs. grad KL = E_pi[logr grad log pi]; the estimators' expected gradients
     (values: http://joschu.net/blog/kl-approx.html): k1 E[grad log pi] = 0 (no pull at all);
     k2 E_old[logr grad log pi], grad KL only on-policy; k3 E[(1 - pi_ref / pi) grad log pi] =
-    grad KL(pi_ref || pi), the other direction; k4 E_old[w (logr + 1) grad log pi] = grad KL for
-    any pi_old. logr is clamped: past ~88, k3's exp(-logr) is inf, and 0 * inf is NaN."""
+    grad KL(pi_ref || pi), the other direction; k4 E_old[w (logr + 1) grad log pi] and k3_ratio
+    grad E_old[w k3] = grad E_pi[k3] = grad KL for any pi_old. logr is clamped: past ~88, k3's
+    exp(-logr) is inf, and 0 * inf is NaN."""
     logr = (new_logprobs - ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)
     return KL_ESTIMATORS[estimator](logr, new_logprobs - old_logprobs)
 
 
-ADVANTAGES = {  # rewards (P, G) of each prompt's group -> advantages
-    # DeepSeekMath Sec. 4.1.2: (r - mean) / (std + 1e-4); Dr. GRPO drops the std
-    "grpo": lambda r, scale: (
-        (r - r.mean(1, True)) / (r.std(1, keepdim=True) + 1e-4 if scale else 1)
-    ),
+def batch_std(r):
+    """The unbiased std of every reward of the global batch, summed over ranks."""
+    r = r.double()
+    n, total, squares = all_reduce(torch.stack([r.new_tensor(r.numel()), r.sum(), (r * r).sum()]))
+    return ((squares - total**2 / n) / (n - 1)).clamp(min=0).sqrt().float()
+
+
+REWARD_SCALES = {  # rewards (P, G) -> what divides r - group mean (TRL's scale_rewards)
+    "group": lambda r: r.std(1, keepdim=True) + 1e-4,  # DeepSeekMath Sec. 4.1.2
+    "batch": lambda r: batch_std(r) + 1e-4,  # TRL's "batch": REINFORCE++-baseline, Lite PPO
+    "none": lambda r: 1.0,  # Dr. GRPO
+}
+ADVANTAGES = {  # rewards (P, G) of each prompt's group, a REWARD_SCALES entry -> advantages
+    "grpo": lambda r, scale: (r - r.mean(1, True)) / scale(r),
     # RLOO: r_i - the mean of the other G - 1, a baseline independent of r_i (no std division)
     "rloo": lambda r, scale: r - (r.sum(1, True) - r) / (r.size(1) - 1),
 }
@@ -133,10 +161,40 @@ def zero_std_groups(scores, group_size):
     return (groups == groups[:, :1]).all(1)
 
 
-def group_advantages(scores, group_size, advantage="grpo", scale_by_std=True):
+def group_advantages(scores, group_size, advantage="grpo", scale="group"):
     """(B,) scores of consecutive groups -> (B,) advantages, exactly 0 for equal rewards."""
-    advantages = ADVANTAGES[advantage](scores.view(-1, group_size), scale_by_std)
+    advantages = ADVANTAGES[advantage](scores.view(-1, group_size), REWARD_SCALES[scale])
     return advantages.masked_fill(zero_std_groups(scores, group_size)[:, None], 0.0).flatten()
+
+
+def kl_in_reward(scores, logprobs, ref_logprobs, mask, beta):
+    """Scores (B,) - beta sum_t (log pi_old - log pi_ref) over each response's tokens: the KL (k1)
+    as a reward (TRL's RLOO, verl's use_kl_in_reward, OpenRLHF), none in the loss then."""
+    return scores - beta * ((logprobs - ref_logprobs) * mask).sum(1)
+
+
+def overlong_penalty(lengths, max_length, buffer, penalty):
+    """DAPO eq. 13 of (B,) response lengths: 0 up to max_length - buffer tokens, then linear down
+    to -penalty at max_length, -penalty beyond."""
+    return ((max_length - buffer - lengths) / buffer).clamp(-1.0, 0.0) * penalty
+
+
+def rso_select(rewards, k, temperature, uniforms):
+    """RSO's statistical rejection sampling (Liu et al. 2023, arXiv 2309.06657, Algorithm 1) of k
+    of each prompt's N candidates, rewards (P, N): each round, every candidate left is accepted in
+    turn with probability exp((r - r_max) / temperature), r_max the best left, until k are. The
+    best is always accepted, so k rounds at most; uniforms (P, k, N) are round j's draws.
+    -> indices (P, k) in the order accepted, and the rounds each prompt took (P,)."""
+    left, taken = torch.ones_like(rewards, dtype=torch.bool), rewards.new_zeros(len(rewards))
+    place, rounds = torch.full_like(rewards, float("inf")), torch.zeros_like(taken)
+    for j in range(k):
+        r_max = rewards.masked_fill(~left, -float("inf")).amax(1, keepdim=True)
+        accept = left & (uniforms[:, j] < torch.exp((rewards - r_max) / temperature))
+        order = taken[:, None] + accept.cumsum(1) - 1  # the place each would take among the kept
+        accept &= order < k  # Algorithm 1 stops the round once k are accepted
+        place, left = torch.where(accept, order, place), left & ~accept
+        rounds, taken = rounds + (taken < k), taken + accept.sum(1)
+    return place.argsort(1)[:, :k], rounds
 
 
 IMPORTANCE_LEVELS = {  # log pi_theta / pi_old (B, T) per token, or GSPO's: its response's mean
@@ -145,22 +203,44 @@ IMPORTANCE_LEVELS = {  # log pi_theta / pi_old (B, T) per token, or GSPO's: its 
 }
 
 
-def grpo_loss(log_ratio, advantages, clip_low, clip_high):
+def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
     """PPO's clipped surrogate per token (B, T) of log pi_theta / pi_old (B, T) and each
     response's advantage (B,): the ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's
-    clip-higher: clip_high > clip_low). Also the ratio and where the clip binds (1.0)."""
+    clip-higher: clip_high > clip_low); dual-clip (Ye et al. 2020, arXiv 1912.09729; verl's
+    clip_ratio_c) caps the loss of A < 0 at -dual_clip A. Also the ratio, where the clip binds."""
+    ratio, advantages = torch.exp(log_ratio), advantages[:, None]
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.max(pg_losses, pg_losses2)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, loss.minimum(-dual_clip * advantages), loss)
+    return loss, ratio, (pg_losses2 > pg_losses).float()
+
+
+def cispo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): -sg(min(rho, 1 + clip_high)) A log pi_theta
+    per token: the weight is capped, not the gradient, so a capped token still gets one. log rho
+    stands in for log pi_theta: the same gradient (pi_old is a constant), 0 on-policy."""
     ratio = torch.exp(log_ratio)
-    pg_losses = -advantages[:, None] * ratio
-    pg_losses2 = -advantages[:, None] * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return torch.max(pg_losses, pg_losses2), ratio, (pg_losses2 > pg_losses).float()
+    weight = ratio.clamp(max=1.0 + clip_high).detach()
+    return -advantages[:, None] * weight * log_ratio, ratio, (ratio > 1.0 + clip_high).float()
 
 
+LOSS_TYPES = {"ppo": grpo_loss, "cispo": cispo_loss}
 AGGREGATIONS = {  # a minibatch's loss mask (B, T) -> per-token weights, and the count dividing them
     "token": lambda mask: (mask, mask.sum()),  # DAPO: every token weighs the same
     # DeepSeekMath: the mean of each response's tokens, then over responses
     "sequence": lambda mask: (mask / mask.sum(1, True).clamp(min=1), mask.any(1).sum()),
     "dr_grpo": lambda mask: (mask, mask.new_tensor(mask.numel())),  # Dr. GRPO: N x length
 }
+
+
+def adaptive_entropy_coef(coef, entropy, target, delta):
+    """Skywork-OR1 (arXiv 2505.22312) adaptive entropy control after a step of token mean entropy
+    `entropy`: coef + delta below the target, coef - delta above, at least 0. Also the coefficient
+    the next step applies: none while above the target (the paper's indicator, TRL's gate)."""
+    coef = max(0.0, coef + delta if entropy < target else coef - delta)
+    return coef, coef if entropy <= target else 0.0
 
 
 def dynamic_sampling(rollout, num_prompts, group_size, max_rounds, rank, world_size):
@@ -184,33 +264,22 @@ def dynamic_sampling(rollout, num_prompts, group_size, max_rounds, rank, world_s
     return batch, {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]}
 
 
-def forward_logprobs(model, query, response, temperature, with_entropy=False):
-    """Log-probs (B, Tr) of the response tokens under logits / temperature, as sampled, and if
-    asked the entropy (B, Tr) of that distribution (detached, 4 rows at a time), else None: 0
-    past the batch's last stop token. Pad and stop ids are the model's (the data's, gpt2.load)."""
-    pad, eos = model.config.pad_token_id, model.config.eos_token_id
-    query, trimmed = gpt2.trim_padding(query, response, pad, eos)  # the columns that matter
-    attention_mask = torch.cat([query != pad, gpt2.response_mask(trimmed, eos)], 1)
-    inputs = torch.cat([query, trimmed[:, :-1]], 1)  # token t + 1 is predicted at position t
-    logits = model(inputs, attention_mask[:, :-1], keep_from=query.size(1) - 1)  # (B, Tr', V)
-    logp = (logits.float() / temperature).log_softmax(-1)
-    logprobs = logp.gather(-1, trimmed.long().unsqueeze(-1)).squeeze(-1)
-    widen = lambda x: F.pad(x, (0, response.size(1) - trimmed.size(1)))
-    if not with_entropy:
-        return widen(logprobs), None
-    entropy = torch.cat([-(rows.exp() * rows).sum(-1) for rows in logp.detach().split(4)])
-    return widen(logprobs), widen(entropy)
-
-
 def check_args(args):
     if args.model == Args.model and not os.path.isdir(args.model):
         raise RunError("no SFT model at 'runs/sft/latest': run `python sft.py` or pass --model DIR")
     tables = dict(kl_estimator=KL_ESTIMATORS, advantage=ADVANTAGES, loss_aggregation=AGGREGATIONS)
-    for flag, table in (tables | dict(importance_level=IMPORTANCE_LEVELS)).items():
+    tables |= dict(importance_level=IMPORTANCE_LEVELS, loss_type=LOSS_TYPES)
+    for flag, table in (tables | dict(scale_rewards=REWARD_SCALES)).items():
         if getattr(args, flag) not in table:
             raise RunError(f"unknown --{flag} '{getattr(args, flag)}': use {', '.join(table)}")
     if args.num_samples_per_prompt < 2 or args.temperature <= 0:
         raise RunError("GRPO needs --num_samples_per_prompt >= 2 and --temperature > 0")
+    if 0 < args.rejection_sampling_candidates < args.num_samples_per_prompt:
+        raise RunError("--rejection_sampling_candidates must be >= --num_samples_per_prompt")
+    if args.rso_temperature <= 0 or not 0 <= args.overlong_buffer <= args.response_length:
+        raise RunError("--rso_temperature must be > 0, --overlong_buffer in [0, --response_length]")
+    if args.dual_clip is not None and (args.dual_clip <= 1 or args.loss_type != "ppo"):
+        raise RunError("--dual_clip must be > 1, with --loss_type ppo")
     if args.total_episodes < args.num_prompts_per_step * args.num_samples_per_prompt:
         raise RunError("--total_episodes is less than one step's responses")
 
@@ -227,6 +296,7 @@ def main(args: Args):
     batch_size = num_prompts * G  # responses per step, over all ranks
     local_prompts = exact_div(num_prompts, world_size, "--num_prompts_per_step or the ranks")
     local_batch_size = local_prompts * G
+    N = args.rejection_sampling_candidates or G  # responses sampled per prompt (RSO: N, kept G)
     share = exact_div(G, args.num_minibatches, "--num_minibatches")  # of each group, a minibatch
     micro_batch_size = min(args.micro_batch_size, local_prompts * share)
     exact_div(local_prompts * share, micro_batch_size, "--micro_batch_size")
@@ -241,6 +311,8 @@ def main(args: Args):
     use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
     if not (use_verifier or args.reward_model):
         raise RunError("no reward: no verifier (for this task, or --no-verifier): --reward_model")
+    if args.eval_samples and not use_verifier:
+        raise RunError("--eval_samples scores with the task's verifier: this run has none")
     if n_train < num_prompts:
         raise RunError(f"prompt_train has {n_train} prompts: lower --num_prompts_per_step")
 
@@ -262,8 +334,17 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     forward_model = torch.compile(policy) if args.compile else policy
     args.out_dir = start_run(args, "grpo")
+    # eval/preference_accuracy's reference: the policy as loaded, before any --resume
+    pref, ref_pair_logps = None, None
+    if args.eval_size and data.has_split(args.data, "pref_test"):
+        pref = data.load_split(args.data, "pref_test")
+        n_pairs = min(args.eval_size, len(pref["query"]))
+        ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
     models = {"policy": (policy, optimizer)}
-    start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
+    state = load_checkpoint(args.out_dir, models) if args.resume else {"step": 0}
+    # the entropy bonus: Skywork-OR1's coefficient, and the one applied (none until below target)
+    entropy_coef = state.get("entropy_coef", args.entropy_coef)
+    entropy_bonus = state.get("entropy_bonus", args.entropy_coef * (args.entropy_target is None))
 
     @torch.no_grad()
     def in_micro_batches(fn, query, response):  # rewards (B,) or log-probs (B, Tr), no gradients
@@ -271,46 +352,66 @@ def main(args: Args):
         with ctx:
             return torch.cat([fn(gpt2.trim_padding(q, None, pad)[0], r) for q, r in pairs])
 
-    logprobs_of = lambda model: lambda q, r: forward_logprobs(model, q, r, args.temperature)[0]
+    logprobs_of = lambda model: lambda q, r: gpt2.logprobs(model, q, r, args.temperature)[0]
 
     def rollout(step, round_):
         """Plain GRPO's steps 1-3 on this rank's share of a sampling round of a step."""
         # 1. prompts: the step's slice of one permutation per epoch (dynamic sampling's later
-        # rounds: of a fresh one); rank r takes a contiguous share and all G samples of each
-        epoch, k = divmod(step, n_train // num_prompts)
-        key = [args.seed, epoch] if round_ == 0 else [args.seed, step, round_, 1]
-        order = np.random.default_rng(key).permutation(n_train)[k * num_prompts :]
+        # rounds: of a fresh one); rank r takes a contiguous share and all N samples of each
+        order = data.batch_indices(args.seed, step, n_train, num_prompts)
+        if round_ > 0:
+            order = np.random.default_rng([args.seed, step, round_, 5]).permutation(n_train)
         prompt_idx = order[rank * local_prompts :][:local_prompts]
-        query = torch.from_numpy(train["query"][prompt_idx]).to(device).repeat_interleave(G, 0)
-        # 2. generate with uniforms sliced from one global tensor keyed by (seed, step[, round]):
-        # a response is sampled alike on 1 or N ranks; the sampler's log-probs are pi_old's
-        rng = np.random.default_rng([args.seed, step] + ([round_, 0] if round_ else []))
-        noise = rng.random((batch_size, args.response_length), dtype=np.float32)
-        noise = torch.from_numpy(noise[rank * local_batch_size :][:local_batch_size]).to(device)
-        with ctx:
-            out = gpt2.generate(
-                policy, query, pad, args.response_length, eos, args.temperature, noise
-            )
+        query = torch.from_numpy(train["query"][prompt_idx]).to(device).repeat_interleave(N, 0)
+        # 2. generate with uniforms sliced from one global tensor keyed by (seed, step, round):
+        # a response is sampled alike on any number of ranks; the sampler's log-probs are pi_old's
+        rng = np.random.default_rng([args.seed, step, round_, 2])
+        noise = rng.random((num_prompts * N, args.response_length), dtype=np.float32)
+        noise = torch.from_numpy(noise[rank * len(query) :][: len(query)]).to(device)
+        with ctx:  # local_batch_size rows at a time: RSO's N candidates take no more memory
+            outs = [
+                gpt2.generate(policy, q, pad, args.response_length, eos, args.temperature, u)
+                for q, u in zip(query.split(local_batch_size), noise.split(local_batch_size))
+            ]
+        out = gpt2.Rollout(query, *(torch.cat(x) for x in list(zip(*outs))[1:]))
         # 3. score: the verifier and/or the reward model, minus the missing-stop penalty
         stopped, scores = (out.response == eos).any(1), torch.zeros(len(query), device=device)
         if use_verifier:
-            truth = np.repeat(train["ground_truth"][prompt_idx], G)
+            truth = np.repeat(train["ground_truth"][prompt_idx], N)
             scores += torch.tensor(data.verify_batch(meta, out.response.tolist(), truth)).to(device)
         if reward_model is not None:
             reward = lambda q, r: gpt2.get_reward(reward_model, q, r, pad, eos)
             scores += in_micro_batches(reward, query, out.response)
         if args.missing_eos_penalty is not None:
             scores -= args.missing_eos_penalty * (~stopped).float()
+        if args.overlong_buffer:  # DAPO's soft overlong punishment
+            overlong = (args.response_length, args.overlong_buffer, args.overlong_penalty)
+            scores += overlong_penalty(out.mask.sum(1), *overlong)
         # DAPO's overlong filtering: a response that never stops is out of the loss
         mask = (out.mask & stopped[:, None] if args.mask_truncated else out.mask).float()
-        return dict(out._asdict(), query=query, mask=mask, scores=scores)
+        batch = dict(out._asdict(), mask=mask, scores=scores)
+        if args.rejection_sampling_candidates:  # RSO: keep G of the N, uniforms keyed as noise
+            u = np.random.default_rng([args.seed, step, round_, 4]).random((num_prompts, G, N))
+            u = torch.from_numpy(u[rank * local_prompts :][:local_prompts]).to(device)
+            keep, rounds = rso_select(scores.view(-1, N), G, args.rso_temperature, u)
+            batch["rso_rounds"] = rounds.repeat_interleave(N)  # per response, for the metrics
+            rows = (keep + N * torch.arange(local_prompts, device=device)[:, None]).flatten()
+            batch = {k: v[rows] for k, v in batch.items()}
+        return batch
 
-    def evaluate():  # greedy accuracy on prompt_test, with a verifier
-        if not use_verifier or args.eval_size == 0:
-            return {}
-        size = (args.eval_size, local_batch_size, args.response_length)
-        return {"eval/accuracy": data.greedy_accuracy(policy, test, meta, *size, ctx)}
+    def evaluate():  # greedy and sampled accuracy on prompt_test, and the preference pairs'
+        metrics, size = {}, (args.eval_size, local_batch_size, args.response_length, ctx)
+        if use_verifier and args.eval_size:
+            metrics["eval/accuracy"] = data.greedy_accuracy(policy, test, meta, *size)
+        if use_verifier and args.eval_size and args.eval_samples:
+            samples = (args.eval_samples, args.temperature, args.seed)
+            metrics |= data.sampled_accuracy(policy, test, meta, *size, *samples)
+        if ref_pair_logps is not None:
+            logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
+            metrics["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_pair_logps)
+        return metrics
 
+    start = state["step"]
     if start == 0 and (metrics := evaluate()):  # the starting point
         log_metrics(args.out_dir, 0, metrics, SHOW)
 
@@ -318,7 +419,8 @@ def main(args: Args):
     aggregate = AGGREGATIONS[args.loss_aggregation]
     importance = IMPORTANCE_LEVELS[args.importance_level]
     kl_estimate = functools.partial(kl_penalty, estimator=args.kl_estimator)
-    clip = (args.clip_eps_low, args.clip_eps_high)
+    policy_loss, clip = LOSS_TYPES[args.loss_type], (args.clip_eps_low, args.clip_eps_high)
+    entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
     num_steps, t0, episodes = args.total_episodes // batch_size, time.time(), 0
     for step in range(start, num_steps):
         done = step + 1
@@ -332,55 +434,61 @@ def main(args: Args):
         else:
             batch = sampled = rollout(step, 0)
         query, response, mask = batch["query"], batch["response"], batch["mask"]
+        response_mask = gpt2.response_mask(response, eos)
 
-        # 4b. advantages: within each prompt's group (all of it on this rank), then the batch's
-        advantages = group_advantages(batch["scores"], G, args.advantage, args.scale_rewards_by_std)
+        # 4b. log-probs under pi_ref (when there is one) and, if asked, pi_old's once more
+        ref_logprobs, old_logprobs, scores = None, batch["logprobs"], batch["scores"]
+        if ref_policy is not None:
+            ref_logprobs = in_micro_batches(logprobs_of(ref_policy), query, response)
+        if args.recompute_old_logprobs:
+            old_logprobs = in_micro_batches(logprobs_of(forward_model), query, response)
+        if args.kl_in_reward and ref_logprobs is not None:
+            scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
+
+        # 4c. advantages: within each prompt's group (all of it on this rank), then the batch's
+        advantages = group_advantages(scores, G, args.advantage, args.scale_rewards)
         if args.batch_norm_advantages:
             moments = torch.stack([advantages.sum(), advantages.square().sum()]).double()
             mean, mean_sq = all_reduce(moments) / batch_size
             advantages = ((advantages - mean) / ((mean_sq - mean**2).sqrt() + 1e-8)).float()
 
-        # 4c. log-probs under pi_ref (when there is one) and, if asked, pi_old's once more
-        ref_logprobs, old_logprobs = None, batch["logprobs"]
-        if ref_policy is not None:
-            ref_logprobs = in_micro_batches(logprobs_of(ref_policy), query, response)
-        if args.recompute_old_logprobs:
-            old_logprobs = in_micro_batches(logprobs_of(forward_model), query, response)
-
         # 4d. update: num_epochs x num_minibatches optimizer steps; a minibatch takes the same share
         # of every group, keyed by (seed, step, epoch) over the global batch: any rank count alike
         sums, grad_norms = {}, []
         for epoch, minibatch in np.ndindex(args.num_epochs, args.num_minibatches):
-            order = np.random.default_rng([args.seed, step, epoch]).random((num_prompts, G))
+            order = np.random.default_rng([args.seed, step, epoch, 3]).random((num_prompts, G))
             order = order.argsort(1)[rank * local_prompts :][:local_prompts, minibatch * share :]
             mb_idx = order[:, :share] + G * np.arange(local_prompts)[:, None]  # this rank's rows
             mb_idx = torch.from_numpy(mb_idx).flatten().to(device)
             weights, count = aggregate(mask[mb_idx])
             weights = weights / all_reduce(count.float()).clamp(min=1)  # counted over all ranks
             micros = list(zip(mb_idx.split(micro_batch_size), weights.split(micro_batch_size)))
-            with_entropy = log_now and epoch == 0  # on logging steps, in the first epoch's passes
+            # on logging steps in the first epoch's passes, for a bonus in every pass
+            with_entropy = (log_now and epoch == 0) or entropy_in_loss
             for micro, (idx, mb_weights) in enumerate(micros):
                 if dist.is_initialized():
                     policy.set_requires_gradient_sync(micro == len(micros) - 1)
                 with ctx:
-                    new_logprobs, entropy = forward_logprobs(
+                    new_logprobs, entropy = gpt2.logprobs(
                         forward_model, query[idx], response[idx], args.temperature, with_entropy
                     )
                 mb_mask = mask[idx]
                 # the first minibatch is exactly on-policy: its pi_old is this forward's, detached
                 old = new_logprobs.detach() if epoch == minibatch == 0 else old_logprobs[idx]
                 logratio = torch.where(mb_mask.bool(), new_logprobs - old, 0.0)
-                pg_loss, ratio, clipped = grpo_loss(
-                    importance(logratio, mb_mask), advantages[idx], *clip
+                pg_loss, ratio, clipped = policy_loss(
+                    importance(logratio, mb_mask), advantages[idx], *clip, args.dual_clip
                 )
                 stats = {"val/ratio": ratio, "val/ratio_var": ratio**2, "loss/policy_avg": pg_loss}
                 stats |= {"policy/approxkl_avg": 0.5 * logratio**2, "policy/clipfrac_avg": clipped}
                 loss = pg_loss
-                if ref_logprobs is not None:
+                if ref_logprobs is not None and not args.kl_in_reward:
                     kl = kl_estimate(new_logprobs, ref_logprobs[idx], old)
                     loss, stats["loss/kl_avg"] = loss + args.beta * kl, kl
-                if entropy is not None:  # the first epoch's only: x num_epochs, its token mean
+                if entropy is not None and epoch == 0:  # x num_epochs: its token mean
                     stats["objective/entropy"] = entropy * args.num_epochs
+                if entropy_bonus:  # aggregated as the loss is
+                    loss = loss - entropy_bonus * entropy
                 # FSDP2 averages gradients over ranks: times world_size, the global sum
                 ((loss * mb_weights).sum() * world_size).backward()
                 for name, value in stats.items():
@@ -412,8 +520,9 @@ def main(args: Args):
             metrics["objective/zero_std_frac"] = zero_std * G / n_sampled
             if args.dynamic_sampling:  # the zero-variance groups sampled, none of them trained on
                 metrics["objective/dropped_groups"] = zero_std
+            if "rso_rounds" in sampled:
+                metrics["objective/rso_rounds"] = sampled["rso_rounds"].sum() / n_sampled
             if ref_logprobs is not None:  # KL(pi_old || pi_ref) per token: k3, whatever the loss's
-                response_mask = gpt2.response_mask(response, eos)
                 k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3") * response_mask
                 metrics["objective/kl"] = k3.sum() / all_reduce(response_mask.sum())
             values = all_reduce(torch.stack([value.double() for value in metrics.values()]))
@@ -423,8 +532,16 @@ def main(args: Args):
             metrics["perf/episodes_per_sec"] = episodes / (time.time() - t0)
             if args.dynamic_sampling:
                 metrics["objective/sampling_rounds"] = n_sampled // batch_size
+            if entropy_in_loss:
+                metrics["policy/entropy_coef"] = entropy_bonus
             log_metrics(args.out_dir, done, metrics | (evaluate() if eval_now else {}), SHOW)
-        checkpoint(args, done, models, due=eval_now)  # also on SIGTERM, then it stops
+        if args.entropy_target is not None:  # the next step's coefficient, from this one's entropy
+            h = all_reduce(torch.stack([sums["objective/entropy"], mask.sum().double()]))
+            entropy = (h[0] / h[1].clamp(min=1)).item() / args.num_epochs
+            delta = (args.entropy_target, args.entropy_coef_delta)
+            entropy_coef, entropy_bonus = adaptive_entropy_coef(entropy_coef, entropy, *delta)
+        extra = dict(entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
+        checkpoint(args, done, models, due=eval_now, extra=extra)  # also on SIGTERM, then stops
         if log_now:
             t0, episodes = time.time(), 0  # the rate leaves out eval and checkpoint time
 
@@ -605,6 +722,10 @@ def finish_run(args, algo):
         os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].finish()
+    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

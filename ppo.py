@@ -16,7 +16,9 @@ reward model (frozen) and the value model (a copy of the reward model). Each upd
 Choices: a value model of its own (Stiennon et al.; lm-human-preferences puts the value head on the
 policy) with lm-human-preferences' zero head; TensorFlow's Adam (adam_tf.py), eps 1e-5, no gradient
 clipping, lr decaying to 0; whitening over the global batch's tokens (lm-human-preferences: each
-minibatch on each rank), so 1 and N ranks make the same update with --num_minibatches 1.
+minibatch on each rank), so 1 and N ranks make the same update with --num_minibatches 1. Options as
+in grpo.py: --dual_clip (arXiv 1912.09729), an entropy bonus --entropy_coef, adaptive with
+--entropy_target (Skywork-OR1, arXiv 2505.22312); eval/preference_accuracy where pref_test exists.
 
     python ppo.py                      # from runs/sft/latest and runs/reward/latest, offline task
     python ppo.py --no-adaptive_kl --kl_coef 0.05            # a fixed KL coefficient
@@ -89,8 +91,12 @@ class Args:
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     cliprange: float = 0.2  # PPO policy ratio clip
+    dual_clip: float | None = None  # cap a token's loss at -this x A where A < 0 (verl: 3.0)
     cliprange_value: float = 0.2  # value prediction clip around the rollout's values
     vf_coef: float = 0.1  # weight of the value loss
+    entropy_coef: float = 0.0  # the loss minus this x the token mean entropy (an entropy bonus)
+    entropy_target: float | None = None  # adapt --entropy_coef toward this entropy (Skywork-OR1)
+    entropy_coef_delta: float = 0.005  # --entropy_target's step of the coefficient per update
     whiten_rewards: bool = True  # whiten (scale only) per-token rewards before GAE
     value_head: Literal["zero", "reward"] = (
         "zero"  # value head init: zeros or the reward model's head
@@ -134,13 +140,17 @@ def masked_whiten(x, mask, shift_mean=True):
     return ((whitened if shift_mean else whitened + mean) * m).to(x.dtype)
 
 
-def policy_loss(new_logprobs, logprobs, advantages, cliprange):
-    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss, all (B, T).
+def policy_loss(new_logprobs, logprobs, advantages, cliprange, dual_clip=None):
+    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss, all (B, T);
+    dual-clip (Ye et al. 2020, arXiv 1912.09729) caps the loss where A < 0 at -dual_clip A.
     Returns the losses, the ratios and where the clipped term was the larger loss (clipfrac)."""
     ratio = torch.exp(new_logprobs - logprobs)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return torch.max(pg_losses, pg_losses2), ratio, pg_losses2 > pg_losses
+    loss = torch.max(pg_losses, pg_losses2)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, loss.minimum(-dual_clip * advantages), loss)
+    return loss, ratio, pg_losses2 > pg_losses
 
 
 def value_loss(vpred, values, returns, cliprange_value):
@@ -176,22 +186,20 @@ def penalised_scores(scores, response, eos_token_id, penalty):
     return torch.where((response == eos_token_id).any(1), scores, torch.full_like(scores, penalty))
 
 
-def logprobs_from_logits(logits, labels, temperature, with_entropy=False):
-    """Log-probs (B, T) of labels under softmax(logits / temperature), the sampler's distribution,
-    and with_entropy its entropy (B, T) without gradient (a statistic), else None."""
-    logp = (logits.float() / temperature).log_softmax(-1)
-    logprobs = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        return logprobs, -(logp.exp() * logp).sum(-1) if with_entropy else None
+def adaptive_entropy_coef(coef, entropy, target, delta):
+    """Skywork-OR1 (arXiv 2505.22312) adaptive entropy control after a step of token mean entropy
+    `entropy`: coef + delta below the target, coef - delta above, at least 0. Also the coefficient
+    the next step applies: none while above the target (the paper's indicator, TRL's gate)."""
+    coef = max(0.0, coef + delta if entropy < target else coef - delta)
+    return coef, coef if entropy <= target else 0.0
 
 
-def forward_response(model, query, response, pad_token_id, eos_token_id, ctx):
-    """A GPT's logits (B, Tr, V) or a value model's values (B, Tr) at the positions that predict
-    each response token: the last token is only predicted, so it is no input."""
+def forward_values(model, query, response, pad_token_id, eos_token_id):
+    """A value model's values (B, Tr) at the positions that predict each response token (as
+    gpt2.logprobs' log-probs): the last token is only predicted, so it is no input."""
     mask = torch.cat([query != pad_token_id, gpt2.response_mask(response, eos_token_id)], 1)
-    with ctx:
-        inputs = torch.cat([query, response[:, :-1]], 1)
-        return model(inputs, mask[:, :-1], keep_from=query.size(1) - 1)
+    inputs = torch.cat([query, response[:, :-1]], 1)
+    return model(inputs, mask[:, :-1], keep_from=query.size(1) - 1)
 
 
 def adam_tf_step(p, g, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps):
@@ -243,6 +251,8 @@ def check_args(args):  # the flags' problems, found before any heavy work
             raise RunError(f"no {stage} model at '{path}': run `python {stage}.py` first")
     if args.temperature <= 0 or (args.adaptive_kl and args.target_kl <= 0):
         raise RunError("--temperature and --target_kl must be > 0")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise RunError("--dual_clip must be > 1")
 
 
 def main(args: Args):
@@ -289,8 +299,18 @@ def main(args: Args):
     policy_opt, value_opt = optimizer(policy.parameters()), optimizer(value_model.parameters())
     fwd_policy, fwd_value = (torch.compile(m) if args.compile else m for m in (policy, value_model))
     models = {"policy": (policy, policy_opt), "value": (value_model, value_opt)}
+    # eval/preference_accuracy's reference: the policy as loaded, before any --resume
+    pref, ref_pair_logps = None, None
+    if args.eval_size and data.has_split(args.data, "pref_test"):
+        pref = data.load_split(args.data, "pref_test")
+        n_pairs = min(args.eval_size, len(pref["query"]))
+        ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
     state = load_checkpoint(args.out_dir, models) if args.resume else {"step": 0}
     start, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)
+    # the entropy bonus: Skywork-OR1's coefficient, and the one applied (none until below target)
+    entropy_coef = state.get("entropy_coef", args.entropy_coef)
+    entropy_bonus = state.get("entropy_bonus", args.entropy_coef * (args.entropy_target is None))
+    entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
 
     temperature, response_length = args.temperature, args.response_length
 
@@ -308,7 +328,11 @@ def main(args: Args):
             if meta.get("task"):
                 sums[1] += sum(data.verify_batch(meta, response.tolist(), test["ground_truth"][j]))
         score, accuracy = (all_reduce(sums) / max(n, 1)).tolist()
-        return {"eval/score": score} | ({"eval/accuracy": accuracy} if meta.get("task") else {})
+        metrics = {"eval/score": score} | ({"eval/accuracy": accuracy} if meta.get("task") else {})
+        if ref_pair_logps is not None:
+            logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
+            metrics["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_pair_logps)
+        return metrics
 
     if start == 0 and args.eval_size > 0:  # the starting policy's numbers, to compare against
         log_metrics(args.out_dir, 0, evaluate(), SHOW)
@@ -324,13 +348,13 @@ def main(args: Args):
         eval_now = done % args.eval_every == 0 or done == num_updates
         log_now = done % args.log_every == 0 or update == start or eval_now
         epoch, k = divmod(update, n_prompts // args.batch_size)
-        order = np.random.default_rng([args.seed, epoch]).permutation(n_prompts)
+        order = np.random.default_rng([args.seed, epoch, 1]).permutation(n_prompts)
         local_idx = order[k * args.batch_size :][rank_rows]
         b_query = torch.from_numpy(prompts["query"][local_idx]).to(device)  # (B, Tq) left-padded
         b_query = gpt2.trim_padding(b_query, None, pad)[0]
 
         # 4.1 generate; the uniforms come from (seed, update): the same samples on 1 or N ranks
-        noise = np.random.default_rng([args.seed, update, 1]).random(
+        noise = np.random.default_rng([args.seed, update, 2]).random(
             (args.batch_size, response_length)
         )
         noise = torch.from_numpy(noise[rank_rows]).float().to(device)
@@ -348,16 +372,13 @@ def main(args: Args):
         # 4.3 score: log-probs under the policy (from the training forward, so that the first
         # minibatch's ratio is exactly 1) and the reference, values, the reward model's scores
         chunks = []
-        with torch.no_grad():
+        with torch.no_grad(), ctx:
             for i in micro_idx:
                 query, response = b_query[i], b_response[i]
-                logits = forward_response(fwd_policy, query, response, pad, eos, ctx)
-                ref_logits = forward_response(ref_policy, query, response, pad, eos, ctx)
-                values = forward_response(fwd_value, query, response, pad, eos, ctx)
-                with ctx:
-                    scores = gpt2.get_reward(reward_model, query, response, pad, eos)
-                logprobs = logprobs_from_logits(logits, response, temperature)[0]
-                ref_logprobs = logprobs_from_logits(ref_logits, response, temperature)[0]
+                logprobs = gpt2.logprobs(fwd_policy, query, response, temperature)[0]
+                ref_logprobs = gpt2.logprobs(ref_policy, query, response, temperature)[0]
+                values = forward_values(fwd_value, query, response, pad, eos)
+                scores = gpt2.get_reward(reward_model, query, response, pad, eos)
                 chunks.append((logprobs, ref_logprobs, values * b_mask[i], scores))
         b_logprobs, b_ref_logprobs, b_values, b_scores = (torch.cat(c) for c in zip(*chunks))
         b_scores = penalised_scores(b_scores, b_response, eos, args.penalty_reward_value)
@@ -379,7 +400,7 @@ def main(args: Args):
         for group in policy_opt.param_groups + value_opt.param_groups:
             group["lr"] = lr
         token_sums = torch.zeros(8, dtype=torch.float64, device=device)
-        shuffle = np.random.default_rng([args.seed, update, 2])
+        shuffle = np.random.default_rng([args.seed, update, 3])
         epochs = [shuffle.permutation(local_batch_size) for _ in range(args.num_ppo_epochs)]
         for mb_idx in torch.from_numpy(np.concatenate(epochs)).split(local_mini_batch_size):
             n_tokens = all_reduce(b_mask[mb_idx].sum().float())
@@ -388,13 +409,21 @@ def main(args: Args):
                     policy.set_requires_gradient_sync(micro == grad_accum - 1)
                     value_model.set_requires_gradient_sync(micro == grad_accum - 1)
                 query, response, mask = b_query[idx], b_response[idx], b_mask[idx]
-                logits = forward_response(fwd_policy, query, response, pad, eos, ctx)
-                new_logprobs, entropy = logprobs_from_logits(logits, response, temperature, log_now)
-                vpred = forward_response(fwd_value, query, response, pad, eos, ctx)
+                with ctx:  # the entropy on logging updates, and for a bonus on every one
+                    entropy_now = log_now or entropy_in_loss
+                    new_logprobs, entropy = gpt2.logprobs(
+                        fwd_policy, query, response, temperature, entropy_now
+                    )
+                    vpred = forward_values(fwd_value, query, response, pad, eos)
                 logprobs, advantages = b_logprobs[idx], b_advantages[idx]
-                pg_losses, ratio, pg_clipped = policy_loss(new_logprobs, logprobs, advantages, clip)
+                pg_losses, ratio, pg_clipped = policy_loss(
+                    new_logprobs, logprobs, advantages, clip, args.dual_clip
+                )
                 vf_losses, vf_clipped = value_loss(vpred, b_values[idx], b_returns[idx], clip_value)
-                loss = ((pg_losses + args.vf_coef * vf_losses) * mask).sum()
+                losses = pg_losses + args.vf_coef * vf_losses
+                if entropy_bonus:  # a token mean, as the loss
+                    losses = losses - entropy_bonus * entropy
+                loss = (losses * mask).sum()
                 # FSDP2 averages gradients over ranks: times world_size makes sum / global count
                 (loss * world_size / n_tokens).backward()
                 with torch.no_grad():
@@ -438,6 +467,11 @@ def main(args: Args):
             "val/stop_frac": stopped / args.batch_size,
             "train/lr": lr,
         }
+        if entropy_in_loss:
+            metrics["policy/entropy_coef"] = entropy_bonus
+        if args.entropy_target is not None:  # the next update's coefficient, from this one's
+            delta = (args.entropy_target, args.entropy_coef_delta)
+            entropy_coef, entropy_bonus = adaptive_entropy_coef(entropy_coef, entropy, *delta)
         if args.adaptive_kl:
             kl_mean, horizon = metrics["objective/kl"], args.kl_horizon
             kl_coef = adaptive_kl_coef(kl_coef, kl_mean, args.target_kl, args.batch_size, horizon)
@@ -449,7 +483,8 @@ def main(args: Args):
                 metrics |= evaluate()
             log_metrics(args.out_dir, done, metrics, SHOW)
             t0, episodes = time.time(), 0
-        checkpoint(args, done, models, due=eval_now, extra={"kl_coef": kl_coef})
+        extra = dict(kl_coef=kl_coef, entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
+        checkpoint(args, done, models, due=eval_now, extra=extra)
 
     # 5. the final policy in the HF GPT-2 layout
     gpt2.save(policy, args.out_dir)
@@ -634,6 +669,10 @@ def finish_run(args, algo):
         os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].finish()
+    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def normalize(model, queries, args, meta, bf16, ctx):
     n, length = args.norm_samples, args.response_length
     pad, eos = meta["pad_token_id"], meta["eos_token_id"]
     device, local, rollouts = next(model.parameters()).device, n // world_size, []
-    rng = np.random.default_rng([args.seed, *b"norm"])  # not [seed]: that is epoch 0's order
+    rng = np.random.default_rng([args.seed, *b"norm"])  # a stream of its own
     queries = queries[rng.choice(len(queries), n, replace=n > len(queries))]  # (N, Tq)
     noise = torch.from_numpy(rng.random((n, length), dtype=np.float32)).to(device)
     torch.manual_seed(args.seed)  # `--model tiny`: the init the reward model's backbone had
@@ -216,13 +216,11 @@ def main(args: Args):
 
     # 4. training loop: one permutation of the pairs per epoch, keyed by (seed, epoch); rank r takes
     # its slice of each global batch, so any number of ranks sees the same batches
-    steps_per_epoch = n_train // args.batch_size
     t0, tokens = time.time(), torch.zeros((), device=device)
     model.train()
     for step in range(start, args.total_steps):
-        epoch, k = divmod(step, steps_per_epoch)
-        order = np.random.default_rng([args.seed, epoch]).permutation(n_train)
-        local_idx = order[k * args.batch_size :][rank * local_batch_size :][:local_batch_size]
+        batch_idx = data.batch_indices(args.seed, step, n_train, args.batch_size)
+        local_idx = batch_idx[rank * local_batch_size :][:local_batch_size]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         # 4a. the loss over micro-batches; FSDP2 reduces the gradients on the last one
@@ -449,6 +447,10 @@ def finish_run(args, algo):
         os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].finish()
+    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

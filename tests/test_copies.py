@@ -98,6 +98,15 @@ def test_random_streams_are_keyed_by_tuples():
         assert not re.search(r"default_rng\([^)\[]*seed\s*\+", src), (
             f"{path.name}: use default_rng([seed, ...])"
         )
+    # numpy ignores a key's trailing zeros ([seed, 0] == [seed]): the project's keys end in a
+    # nonzero stream tag (a literal, a constant or bytes), so no two streams can meet
+    for path in [*ROOT.glob("*.py"), ROOT / "data" / "__init__.py"]:
+        for key in re.findall(r"default_rng\(\[([^\]]*)\]", path.read_text()):
+            last = key.split(",")[-1].strip()
+            assert re.fullmatch(r"[1-9]\d*|[A-Z_]+|\*b\"\w+\"", last), f"{path.name}: [{key}]"
+    assert np.array_equal(  # the numpy behaviour the rule guards against
+        np.random.default_rng([1, 5]).random(3), np.random.default_rng([1, 5, 0]).random(3)
+    )
     # the property the rule buys: seed 2's epoch 0 is not seed 1's epoch 1
     a = np.random.default_rng([1, 1]).permutation(100)
     b = np.random.default_rng([2, 0]).permutation(100)

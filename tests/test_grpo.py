@@ -1,9 +1,10 @@
 """grpo.py: the KL estimators (values, gradients, which are unbiased, the clamp), the advantages
-(GRPO, RLOO), each variant's defining property (clip-higher, GSPO, the aggregations, truncation
-masking, dynamic sampling), the sampler's log-probs, pad != eos; end to end: 1 rank == 2 ranks
-with the first-minibatch invariant, KL 0 at step 1, every option, resume == uninterrupted (after
-SIGKILL too), a dead rank ends torchrun, one-line errors. SIGTERM to one rank and 1 = 8 ranks = 2
-nodes: tests/test_world_sizes.py."""
+(GRPO, RLOO, batch std), each variant against its paper's formula by hand (clip-higher, dual-clip,
+CISPO, GSPO, the aggregations, KL in the reward, the overlong punishment, adaptive entropy, RSO's
+rejection sampling, truncation masking, dynamic sampling), pad != eos; end to end: 1 rank == 2
+ranks with the first-minibatch invariant, KL 0 at step 1, every option, resume == uninterrupted
+(after SIGKILL too), a dead rank ends torchrun, one-line errors. SIGTERM to one rank and 1 = 8
+ranks = 2 nodes: tests/test_world_sizes.py; the sampler's log-probs: tests/test_gpt2.py."""
 
 import json
 import math
@@ -76,6 +77,7 @@ def test_kl_estimator_values_and_gradients(est):
         x, w = n - r, math.exp(n - o)  # log(pi/pi_ref), importance weight pi/pi_old
         want = dict(k1=(x, 1), k2=(x * x / 2, x), k3=(math.exp(-x) - 1 + x, 1 - math.exp(-x)))
         want["k4"] = (w * x, w * (x + 1))
+        want["k3_ratio"] = (w * (math.exp(-x) - 1 + x), w * x)  # w k3' + w' k3 = w x
         assert (v, g) == pytest.approx(want[est], abs=1e-12)
 
 
@@ -100,8 +102,9 @@ def test_which_kl_gradients_are_unbiased():
     assert torch.allclose(on["k2"], true_kl) and torch.allclose(on["k4"], true_kl)  # on-policy
     assert on["k1"].abs().max() < 1e-12  # E[grad log pi] = 0: k1 does not pull toward q
     assert torch.allclose(on["k3"], reverse)  # k3 descends the other KL direction, KL(q || pi)
-    off = {k: expected_grad(k, theta, logq, theta_old) for k in ("k2", "k4")}  # pi_old != pi
-    assert torch.allclose(off["k4"], true_kl)  # the importance weight keeps k4 unbiased
+    assert torch.allclose(on["k3_ratio"], true_kl)  # grad E_old[w k3] = grad E_pi[k3] = grad KL
+    off = {k: expected_grad(k, theta, logq, theta_old) for k in ("k2", "k4", "k3_ratio")}
+    assert torch.allclose(off["k4"], true_kl) and torch.allclose(off["k3_ratio"], true_kl)
     assert (off["k2"] - true_kl).abs().max() > 1e-3  # k2 is unbiased on-policy only
 
 
@@ -126,24 +129,27 @@ def test_extreme_log_ratios_are_clamped_so_loss_and_gradient_stay_finite():
 # ---- advantages
 
 
-@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_equal_rewards_are_zero(scale):
     scores = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 1, 0.3, 0.3, 0.3, 0.3, 0, 0, 0, 0])
     adv = grpo.group_advantages(scores, 4, "grpo", scale)
     assert torch.isfinite(adv).all() and (adv[:4] == 0).all() and (adv[8:] == 0).all()
-    std = 0.5 / math.sqrt(0.75) + 1e-4 if scale else 1.0  # the unbiased std, + eps
-    assert torch.allclose(adv[4:8], torch.tensor([-0.5, 0.5, -0.5, 0.5]) / std, atol=1e-6)
+    # the unbiased std, + eps: of the group [0, 1, 0, 1], or of all 16 rewards (sum 7.2, squares
+    # 6.36: variance (6.36 - 7.2^2 / 16) / 15 = 0.208), or none (Dr. GRPO)
+    std = dict(group=0.5 / math.sqrt(0.75), batch=math.sqrt(0.208), none=1)
+    want = torch.tensor([-0.5, 0.5, -0.5, 0.5]) / (std[scale] + (scale != "none") * 1e-4)
+    assert torch.allclose(adv[4:8], want, atol=1e-6)
 
 
 def test_rloo_baseline_leaves_each_sample_out():
     scores = torch.tensor([0.0, 1, 1, 3, 2, 2, 2, 2, 0.5, -1, 4, 0])
-    adv = grpo.group_advantages(scores, 4, "rloo", scale_by_std=True)  # never divides by the std
+    adv = grpo.group_advantages(scores, 4, "rloo", "group")  # never divides by the std
     for i, r in enumerate(scores.tolist()):
         group = scores[i // 4 * 4 : i // 4 * 4 + 4].tolist()
         others = group[: i % 4] + group[i % 4 + 1 :]
         assert float(adv[i]) == pytest.approx(r - sum(others) / 3, abs=1e-6)
     assert (adv[4:8] == 0).all()  # equal rewards: no signal, exactly 0
-    dr_grpo = grpo.group_advantages(scores, 4, "grpo", False)
+    dr_grpo = grpo.group_advantages(scores, 4, "grpo", "none")
     assert torch.allclose(adv, dr_grpo * 4 / 3)  # G/(G-1) x Dr. GRPO's
 
 
@@ -169,6 +175,36 @@ def test_clip_higher_widens_the_upper_clip_only():
     high, _, clipped = surrogate_grad(ratio, adv, 0.2, 0.28)
     assert float(high[0, 0]) == pytest.approx(-1.25) and float(high[1, 0]) == 0
     assert clipped.tolist() == [[0.0], [1.0]]
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    """Ye et al. 2020 eq. 5 with c = 3: A = -1 at ratio 5 loses max(5, 0.8 x 1) = 5 under PPO,
+    capped at -cA = 3 with no gradient; ratio 2 (loss 2 < 3) and A = +1 are left alone."""
+    ratio, adv = torch.tensor([[5.0], [2.0], [5.0]]), torch.tensor([-1.0, -1.0, 1.0])
+    for dual_clip, want_loss, want_grad in (
+        (None, [5, 2, -1.2], [5, 2, 0]),
+        (3.0, [3, 2, -1.2], [0, 2, 0]),
+    ):
+        log_ratio = ratio.log().requires_grad_(True)
+        loss = grpo.grpo_loss(log_ratio, adv, 0.2, 0.2, dual_clip)[0]
+        loss.sum().backward()
+        assert loss.flatten().tolist() == pytest.approx(want_loss)
+        assert log_ratio.grad.flatten().tolist() == pytest.approx(want_grad)  # d(-A rho)/d log rho
+
+
+def test_cispo_caps_the_weight_not_the_gradient():
+    """CISPO eq. 4 with clip_high 0.28 and A = 2: d loss / d log pi = -A min(rho, 1.28) at every
+    token, where PPO's clipped surrogate gives ratios 1.5 and 3 no gradient at all."""
+    rho = [0.5, 1.0, 1.5, 3.0]
+    log_ratio = torch.tensor([rho]).log().requires_grad_(True)
+    loss, ratio, capped = grpo.cispo_loss(log_ratio, torch.tensor([2.0]), 0.2, 0.28)
+    loss.sum().backward()
+    weights = [0.5, 1.0, 1.28, 1.28]
+    assert log_ratio.grad[0].tolist() == pytest.approx([-2 * w for w in weights])
+    want = [-2 * w * math.log(r) for w, r in zip(weights, rho)]  # -A sg(w) log rho
+    assert loss[0].tolist() == pytest.approx(want) and capped.tolist() == [[0, 0, 1, 1]]
+    ppo = surrogate_grad(torch.tensor([rho]), torch.tensor([2.0]), 0.2, 0.28)[0]
+    assert ppo[0].tolist() == pytest.approx([-1.0, -2.0, 0.0, 0.0])
 
 
 def test_gspo_clips_one_ratio_per_sequence():
@@ -199,6 +235,51 @@ def test_aggregation_weights_and_dr_grpo_constant_normaliser():
     assert torch.allclose(weights["dr_grpo"], mask / 12)
 
 
+def test_kl_in_reward_subtracts_beta_times_the_summed_log_ratio():
+    """r - beta sum_t (log pi_old - log pi_ref), beta 0.1: row 0 sums 0.5 - 1 + 0 = -0.5 -> 1.05;
+    row 1 sums -0.2 + 0.3 = 0.1 -> -0.01 (its third token is past the stop: left out)."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.3, -9.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, -0.6, 7.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    scores = grpo.kl_in_reward(torch.tensor([1.0, 0.0]), old, ref, mask, 0.1)
+    assert scores.tolist() == pytest.approx([1.05, -0.01])
+
+
+def test_overlong_penalty_is_dapo_eq_13():
+    """L = 16, L_c = 4, penalty 0.5: 0 up to 12 tokens, (12 - |y|) / 4 x 0.5 up to 16, -0.5 beyond."""
+    lengths = torch.tensor([10.0, 12, 13, 14, 16, 17])
+    penalty = grpo.overlong_penalty(lengths, 16, 4, 0.5)
+    assert penalty.tolist() == pytest.approx([0, 0, -0.125, -0.25, -0.5, -0.5])
+
+
+def test_adaptive_entropy_coef_steps_toward_the_target():
+    """Skywork-OR1, target 0.2, delta 0.005: below it c rises and applies; above it c falls (not
+    below 0) and no bonus applies."""
+    assert grpo.adaptive_entropy_coef(0.01, 0.1, 0.2, 0.005) == pytest.approx((0.015, 0.015))
+    assert grpo.adaptive_entropy_coef(0.01, 0.3, 0.2, 0.005) == pytest.approx((0.005, 0.0))
+    assert grpo.adaptive_entropy_coef(0.003, 0.3, 0.2, 0.005) == (0.0, 0.0)
+
+
+def test_rso_select_follows_algorithm_1():
+    """RSO's Algorithm 1 with fixed uniforms, k = 2 of 4, beta 1. Prompt 0, r = [1, 0, 0.5, 1]:
+    round 0 accepts with probabilities [1, e^-1 = 0.37, e^-0.5 = 0.61, 1]; uniforms 0.5, 0.3
+    accept 0 and 1, and the round stops there (3 is never drawn). Prompt 1, r = [0, 2, 1, 0.5]:
+    round 0 ([0.14, 1, 0.37, 0.22]) accepts 1 only; round 1's r_max is 1, so [0.37, -, 1, 0.61]:
+    0.5 rejects 0, 0.9 accepts 2 (at 0.37 it would not have) and k is reached before 3."""
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.0, 2.0, 1.0, 0.5]])
+    uniforms = torch.tensor(
+        [
+            [[0.5, 0.3, 0.9, 0.99], [0.0, 0.0, 0.0, 0.0]],
+            [[0.2, 0.7, 0.4, 0.3], [0.5, 0.0, 0.9, 0.6]],
+        ]
+    )
+    keep, rounds = grpo.rso_select(rewards, 2, 1.0, uniforms)
+    assert keep.tolist() == [[0, 1], [1, 2]] and rounds.tolist() == [1, 2]
+    # a high temperature accepts everything in turn; a low one only the best left, round by round
+    assert grpo.rso_select(rewards, 2, 1e6, uniforms)[0].tolist() == [[0, 1], [0, 1]]
+    assert grpo.rso_select(rewards, 2, 1e-6, uniforms)[0].tolist() == [[0, 3], [1, 2]]
+
+
 def test_dynamic_sampling_keeps_groups_with_reward_variance_then_tops_up_masked():
     """G = 2: round 0 has one group with variance, round 1 two more: 2 are needed, so it stops
     there. Asked for 3 with one extra round at most, it tops the batch up with the first
@@ -215,7 +296,7 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance_then_tops_up_masked(
     assert batch["mask"][:, 0].tolist() == [1] * 6 + [0] * 2 and len(sampled["row"]) == 12
 
 
-# ---- log-probs of real batches
+# ---- real batches
 
 
 def tiny(vocab=257, pad=EOS):
@@ -227,31 +308,6 @@ def tiny(vocab=257, pad=EOS):
         w = model.transformer.wte.weight[EOS]
         model.transformer.ln_f.bias += 3.0 * w / w.square().sum()
     return model
-
-
-@torch.no_grad()
-def test_sampler_logprobs_equal_a_separate_forward_pass():
-    """pi_old's log-probs come from generation (no second pass): they equal forward_logprobs (fp32)
-    on every token in the loss, and its entropy is the full distribution's."""
-    model, T = tiny(), 0.7
-    query = torch.tensor([[EOS, EOS, 1, 2, 3], [4, 5, 6, 7, 8], [EOS, 9, 10, 11, 12]])
-    query = query.repeat_interleave(4, 0)
-    torch.manual_seed(0)
-    out = gpt2.generate(model, query, EOS, 8, EOS, T)
-    assert (out.response == EOS).any(1).sum() >= 2 and (~out.mask).any()  # stops, padding after
-    new, entropy = grpo.forward_logprobs(model, query, out.response, T, with_entropy=True)
-    torch.testing.assert_close(out.logprobs * out.mask, new * out.mask, atol=1e-5, rtol=0)
-    attn = torch.cat([query != EOS, out.mask], 1)
-    logits = model(torch.cat([query, out.response], 1), attn, keep_from=4)[:, :-1]
-    logp = (logits / T).log_softmax(-1)
-    taken = logp.gather(-1, out.response[..., None]).squeeze(-1)
-    torch.testing.assert_close(new, taken, atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=0)
-    early = out.mask.sum(1) < 8  # rows that stop early: 0 past their last stop
-    short, _ = grpo.forward_logprobs(model, query[early], out.response[early], T)
-    width = int(out.mask[early].sum(1).max())
-    assert early.sum() >= 2 and width < 8 and (short[:, width:] == 0).all()
-    torch.testing.assert_close(short[:, :width], new[early, :width], atol=1e-5, rtol=0)
 
 
 def test_pad_other_than_eos_gives_the_same_logprobs_losses_and_rewards():
@@ -271,7 +327,7 @@ def test_pad_other_than_eos_gives_the_same_logprobs_losses_and_rewards():
             for x in (query, response)
         )
         mask = gpt2.response_mask(r, EOS).float()
-        new, _ = grpo.forward_logprobs(model, q, r, 1.0)
+        new, _ = gpt2.logprobs(model, q, r, 1.0)
         old, ref = (new - 0.1 * mask).detach(), (new + 0.2).detach()
         logratio = torch.where(mask.bool(), new - old, 0.0)
         loss = grpo.grpo_loss(logratio, torch.tensor([1.0, -1.0, 0.5, 2.0]), 0.2, 0.28)[0]
@@ -285,8 +341,14 @@ def test_pad_other_than_eos_gives_the_same_logprobs_losses_and_rewards():
 # ---- end to end
 
 
+RSO = (
+    "--rejection_sampling_candidates 8 --scale_rewards batch --overlong_buffer 2 --loss_type cispo"
+)
+
+
 @pytest.mark.parametrize(
-    "variant", ["", "--dynamic_sampling --mask_truncated --clip_eps_high 0.28"]
+    "variant",
+    ["", "--dynamic_sampling --mask_truncated --clip_eps_high 0.28", RSO + " --kl_in_reward"],
 )
 def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(tmp_path, sft_model, variant):
     common = ["--model", sft_model, "--total_episodes", "64", "--eval_every", "2", "--beta", "0.05"]
@@ -306,7 +368,9 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(tmp_path, sf
     # the reference is the starting checkpoint: KL 0 at step 1 (to the sampler's rounding)
     assert a[1]["objective/kl"] < 1e-10 and a[2]["objective/kl"] > 1e-6
     assert (tmp_path / "r2" / "model.safetensors").exists()
-    if variant:  # every trained group has reward variance; the zero-variance ones were dropped
+    if "rejection_sampling" in variant:  # 1 round at least, G = 4 at most; no KL in the loss
+        assert all(1 <= m["objective/rso_rounds"] <= 4 and "loss/kl_avg" not in m for m in a[1:])
+    if "dynamic" in variant:  # every trained group has reward variance; the others were dropped
         for m in a[1:]:
             dropped = m["objective/zero_std_frac"] * 8 * m["objective/sampling_rounds"]
             assert m["objective/dropped_groups"] == pytest.approx(dropped)
@@ -347,16 +411,17 @@ def test_mask_truncated_leaves_responses_without_a_stop_token_out(tmp_path, sft_
 
 def test_tiny_runs_with_every_option(tmp_path, sft_model):
     """A reward model with k4, GSPO, per-response mean, no std, batch whitening, recomputed pi_old,
-    2 minibatches x 2 epochs; then the verifier with DAPO's options, Dr. GRPO's normaliser and RLOO
-    at beta 0 (no reference)."""
+    dual-clip, adaptive entropy, sampled and preference evals, 2 minibatches x 2 epochs; then the
+    verifier with DAPO's options, Dr. GRPO's normaliser, RLOO and RSO at beta 0 (no reference)."""
     rm = gpt2.load(sft_model, META, head="new")  # random head: continuous scores
     rm.reward_gain, rm.reward_bias = 2.0, -1.0
     gpt2.save(rm, str(tmp_path / "rm"))
     common = ["--model", sft_model, "--total_episodes", "96", "--eval_every", "3", *SMALL]
     flags = f"--reward_model {tmp_path / 'rm'} --num_minibatches 2 --num_epochs 2 "
     flags += "--micro_batch_size 4 --kl_estimator k4 --beta 0.1 --loss_aggregation sequence "
-    flags += "--no-scale_rewards_by_std --batch_norm_advantages --response_length 6 "
-    flags += "--importance_level sequence --recompute_old_logprobs"
+    flags += "--scale_rewards none --batch_norm_advantages --response_length 6 "
+    flags += "--importance_level sequence --recompute_old_logprobs --dual_clip 3 --eval_samples 2 "
+    flags += "--entropy_target 100 --entropy_coef 0.01"  # always below: c rises by 0.005 a step
     run(["--out_dir", str(tmp_path / "a"), *common, *flags.split()])
     m = metrics(tmp_path / "a")
     assert [r["step"] for r in m] == [0, 1, 2, 3] and all(
@@ -367,8 +432,13 @@ def test_tiny_runs_with_every_option(tmp_path, sft_model):
         m[-1]["policy/approxkl_avg"] > 0 and m[-1]["val/ratio_var"] > 0
     )  # later passes: off-policy
     assert gpt2.load(str(tmp_path / "a")).config.n_layer == 4
+    # the bonus applied: none before a first entropy below the target, then c0 + delta, + delta
+    assert [r["policy/entropy_coef"] for r in m[1:]] == pytest.approx([0.0, 0.015, 0.02])
+    assert {"eval/pass@1", "eval/pass@2", "eval/mean@2"} <= m[0].keys()
+    assert m[0]["eval/preference_accuracy"] == 0.5  # the policy is its reference: every r = 0
     flags = "--dynamic_sampling --max_sampling_rounds 2 --mask_truncated --clip_eps_high 0.28 "
-    flags += "--loss_aggregation dr_grpo --no-scale_rewards_by_std --advantage rloo"
+    flags += "--loss_aggregation dr_grpo --scale_rewards none --advantage rloo "
+    flags += "--rejection_sampling_candidates 6"
     run(["--out_dir", str(tmp_path / "b"), *common, *flags.split()])
     m = metrics(tmp_path / "b")
     assert [r["step"] for r in m] == [0, 1, 2, 3] and all(
@@ -376,11 +446,13 @@ def test_tiny_runs_with_every_option(tmp_path, sft_model):
     )
     assert not any("objective/kl" in r for r in m)
     assert all(r["objective/sampling_rounds"] in (1, 2, 3) for r in m[1:])
+    assert all(1 <= r["objective/rso_rounds"] <= 4 for r in m[1:])
 
 
 def test_resume_matches_uninterrupted(tmp_path, sft_model):
     common = ["--model", sft_model, "--total_episodes", "128", "--eval_every", "2"]
     common += ["--keep_checkpoints", "5", "--beta", "0.05", *SMALL]
+    common += ["--entropy_target", "100", "--entropy_coef", "0.01"]  # a coefficient to restore
     run(["--out_dir", str(tmp_path / "full"), *common])
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
     shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
@@ -471,6 +543,14 @@ BAD = {  # flags: the error
     "--model /x": "no checkpoint at '/x'",
     "--total_episodes 8": "less than one step",
     "--response_length 80": "exceed the model's context: lower --response_length",
+    "--scale_rewards std": "unknown --scale_rewards 'std': use group, batch, none",
+    "--loss_type x": "unknown --loss_type 'x': use ppo, cispo",
+    "--dual_clip 0.5": "--dual_clip must be > 1",
+    "--loss_type cispo --dual_clip 3": "with --loss_type ppo",
+    "--rejection_sampling_candidates 2": "must be >= --num_samples_per_prompt",
+    "--rso_temperature 0": "--rso_temperature must be > 0",
+    "--overlong_buffer 5": "--overlong_buffer in [0, --response_length]",
+    "--no-verifier --reward_model /x --eval_samples 2": "--eval_samples scores with the task's verifier",
 }
 
 

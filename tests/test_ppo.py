@@ -1,16 +1,15 @@
 """ppo.py: GAE vs a loop, masked whitening, the KL controller, the per-token rewards and the
-missing-stop penalty, log-probs and entropy at the temperature, PPO invariants, the inline AdamTF
-vs adam_tf.py, pad != eos, a tiny end-to-end run (adaptive KL, checkpoints, resume ==
-uninterrupted with AdamTF), the reference = the starting policy, 1 process == 2 ranks (FSDP2,
-gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint resumed at 2 ranks and at 1,
-one-line errors."""
+missing-stop penalty, PPO invariants, dual-clip by hand, the inline AdamTF vs adam_tf.py, pad !=
+eos, a tiny end-to-end run (adaptive KL, dual-clip, adaptive entropy bonus, the preference-pair
+eval, checkpoints, resume == uninterrupted with AdamTF), the reference = the starting policy, 1
+process == 2 ranks (FSDP2, gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint
+resumed at 2 ranks and at 1, one-line errors. Log-probs at the temperature: tests/test_gpt2.py."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -93,16 +92,6 @@ def test_per_token_rewards_and_missing_stop_penalty():
     assert ppo.penalised_scores(scores, response, EOS, None).tolist() == [2.0, 2.0]
 
 
-def test_logprobs_and_entropy_at_the_sampling_temperature():
-    logits, labels = torch.randn(2, 3, 5, requires_grad=True), torch.randint(0, 5, (2, 3))
-    logprobs, entropy = ppo.logprobs_from_logits(logits, labels, 0.7, with_entropy=True)
-    p = torch.softmax(logits.detach() / 0.7, -1)
-    torch.testing.assert_close(logprobs.detach(), p.gather(-1, labels[..., None]).squeeze(-1).log())
-    torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
-    assert logprobs.requires_grad and not entropy.requires_grad  # a statistic, not in the loss
-    assert ppo.logprobs_from_logits(logits, labels, 0.7)[1] is None
-
-
 def test_ppo_losses():
     mask, gen = random_mask()
     logprobs, adv = -torch.rand(mask.shape, generator=gen), torch.randn(mask.shape, generator=gen)
@@ -117,6 +106,26 @@ def test_ppo_losses():
     # max(unclipped, clipped at 0.2) squared error
     torch.testing.assert_close(vf, torch.tensor([0.5 * 1.0**2, 0.5 * 0.8**2]))
     assert vclip.tolist() == [False, True]
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    """Ye et al. 2020 eq. 5 with c = 3: A = -1 at ratio 5 loses max(5, 1.2 x 1) = 5 under PPO,
+    capped at -cA = 3 with no gradient; ratio 2 (loss 2 < 3) and A = +1 are left alone."""
+    adv, old = torch.tensor([-1.0, -1.0, 1.0]), torch.zeros(3)
+    for dual_clip, want_loss, want_grad in (
+        (None, [5, 2, -1.2], [5, 2, 0]),
+        (3.0, [3, 2, -1.2], [0, 2, 0]),
+    ):
+        new = torch.tensor([5.0, 2.0, 5.0]).log().requires_grad_(True)
+        loss = ppo.policy_loss(new, old, adv, 0.2, dual_clip)[0]
+        loss.sum().backward()
+        assert loss.tolist() == pytest.approx(want_loss)
+        assert new.grad.tolist() == pytest.approx(want_grad)  # d(-A rho) / d log pi
+
+
+def test_adaptive_entropy_coef_steps_toward_the_target():  # grpo.py's copy: tests/test_copies.py
+    assert ppo.adaptive_entropy_coef(0.01, 0.1, 0.2, 0.005) == pytest.approx((0.015, 0.015))
+    assert ppo.adaptive_entropy_coef(0.01, 0.3, 0.2, 0.005) == pytest.approx((0.005, 0.0))
 
 
 def test_inline_adam_tf_steps_like_adam_tf_py():  # tests/test_copies.py checks the source
@@ -152,9 +161,9 @@ def test_pad_other_than_eos_gives_the_same_rollout():
         response = torch.tensor([r + [pad] * (5 - len(r)) for r in responses])
         sampled = gpt2.generate(policy, query, pad, 5, EOS, 0.7, noise=noise)
         mask = gpt2.response_mask(response, EOS)
-        logits = ppo.forward_response(policy, query, response, pad, EOS, nullcontext())
-        logprobs = ppo.logprobs_from_logits(logits, response, 0.7)[0]
-        values = ppo.forward_response(value, query, response, pad, EOS, nullcontext())
+        policy.config.pad_token_id, policy.config.eos_token_id = pad, EOS
+        logprobs = gpt2.logprobs(policy, query, response, 0.7)[0]
+        values = ppo.forward_values(value, query, response, pad, EOS)
         scores = gpt2.get_reward(reward, query, response, pad, EOS)
         scores = ppo.penalised_scores(scores, response, EOS, -1.0)
         return sampled.response * sampled.mask, logprobs * mask, values * mask, scores
@@ -201,10 +210,14 @@ def metrics(out):
 
 def test_tiny_run_adaptive_kl_checkpoints_and_resume(models, tmp_path):
     flags = ["--total_episodes", "48", "--num_minibatches", "2", "--eval_every", "2"]
-    flags += ["--target_kl", "0.01", "--kl_horizon", "100", "--kl_coef", "0.1"]
+    flags += ["--target_kl", "0.01", "--kl_horizon", "100", "--kl_coef", "0.1", "--dual_clip", "3"]
+    flags += ["--entropy_target", "100", "--entropy_coef", "0.01"]  # always below: c rises
     run(models, tmp_path / "full", *flags)  # AdamTF, the default
     m = metrics(tmp_path / "full")
     assert [r["step"] for r in m] == [0, 1, 2, 3] and "eval/score" in m[0]
+    assert m[0]["eval/preference_accuracy"] == 0.5  # the policy is its reference: every r = 0
+    # the bonus applied: none before a first entropy below the target, then c0 + delta, + delta
+    assert [r["policy/entropy_coef"] for r in m[1:]] == pytest.approx([0.0, 0.015, 0.02])
     assert "eval/accuracy" in m[-1] and "eval/score" in m[-1]
     assert m[1]["objective/kl"] == 0  # the reference is the starting policy
     for r in m[1:]:  # the logged objectives add up
