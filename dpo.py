@@ -179,12 +179,11 @@ def main(args: Args):
 
     # 3. run directory, policy, optimizer
     args.out_dir = start_run(args, "dpo")
-    model = gpt2.load(args.model, meta)
+    model = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
     length = train["query"].shape[1] + max(train["chosen"].shape[1], train["rejected"].shape[1])
     if length > model.config.block_size:
         raise RunError(f"prompt + response ({length} tokens) exceed the context: prep shorter")
     model.activation_checkpointing = args.activation_checkpointing
-    shard(model, device, bf16)
     decay = [p for p in model.parameters() if p.dim() >= 2]  # not biases and LayerNorms
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay)]
@@ -198,7 +197,7 @@ def main(args: Args):
     if not (args.reference_free or args.loss_type == "simpo"):
         ref = model  # the starting policy, or --ref_model: frozen, sharded as the policy is
         if args.ref_model:
-            ref = shard(gpt2.load(args.ref_model, meta), device, bf16, frozen=True)
+            ref = gpt2.load(args.ref_model, meta, shard=lambda m: shard(m, device, bf16, True))
         if MASTER:
             print(f"reference log-probs of {n_train} train and {n_test} eval pairs", flush=True)
         ref_train = data.split_logprobs(ref, train, n_train, micro_batch_size, ctx)
@@ -316,10 +315,10 @@ def setup_distributed():
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if "RANK" in os.environ:
-        torch.cuda.set_device(device) if cuda else None
+        if cuda:
+            torch.cuda.set_device(device)
         # a long save on rank 0 must not time out the other ranks' wait
-        timeout = datetime.timedelta(hours=2)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
         atexit.register(dist.destroy_process_group)
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
@@ -350,38 +349,33 @@ def all_reduce(x):
 
 def start_run(args, algo):
     """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
-    box = [args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}", None]
-    if MASTER:
-        try:
-            claim_run_dir(box[0], args)
-        except RunError as e:
-            box[1] = e
+    out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
+    problem = [claim_run_dir(out_dir, args) if MASTER else None]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if box[1]:
-        raise box[1]
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise RunError(problem[0])
     if MASTER and args.wandb:
         import wandb
 
-        wandb.init(config=asdict(args), dir=box[0], name=os.path.basename(box[0]))
-    return box[0]
+        wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    return out_dir
 
 
 def claim_run_dir(out_dir, args):
+    """None once this process holds out_dir (an flock), else what stops it."""
     if args.resume and not args.out_dir:
-        raise RunError("--resume needs --out_dir DIR: the run to continue")
+        return "--resume needs --out_dir DIR: the run to continue"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
-        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
+        return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:
         os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
         LOCK.append(open(f"{out_dir}/.lock", "w"))
         fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunError(f"another run is writing to '{out_dir}': pass another --out_dir") from None
+        return f"another run is writing to '{out_dir}': pass another --out_dir"
     except OSError as e:
-        raise RunError(
-            f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
-        ) from None
+        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
     if not args.resume:  # a fresh run, or --overwrite
         shutil.rmtree(f"{out_dir}/checkpoints")
         os.makedirs(f"{out_dir}/checkpoints")
@@ -423,7 +417,8 @@ def load_checkpoint(out_dir, models):
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # safetensors and torch.load raise many kinds of error on a damaged file
             [load_file(f"{path}/{name}/model.safetensors") for name in models]
-            box = [path, torch.load(f"{path}/state.pt", weights_only=True)][:1]
+            torch.load(f"{path}/state.pt", weights_only=True)
+            box = [path]
             break
         except Exception as e:
             print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__})", flush=True)

@@ -24,7 +24,6 @@ same on any number of ranks.
 """
 
 import atexit
-import copy
 import datetime
 import fcntl
 import functools
@@ -318,19 +317,18 @@ def main(args: Args):
 
     # 3. models, before the run dir (a bad --model leaves none): the policy and, frozen, the
     # reference when used (the policy as loaded unless --ref_model: KL 0 at step 1), the reward
-    policy = gpt2.load(args.model, meta)
+    # each built once: rank 0 reads the weights, every rank's shard gets them (gpt2.load)
+    policy = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
     if train["query"].shape[1] + args.response_length > policy.config.block_size:
         raise RunError("prompt + response exceed the model's context: lower --response_length")
+    frozen = lambda m: shard(m, device, bf16, frozen=True)
     ref_policy = reward_model = None
     if args.beta > 0 or args.ref_model:
-        ref_policy = gpt2.load(args.ref_model, meta) if args.ref_model else copy.deepcopy(policy)
-        ref_policy = shard(ref_policy, device, bf16, frozen=True)
+        torch.manual_seed(args.seed)  # `--model tiny`: the policy's random init again
+        ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=frozen)
     if args.reward_model:
-        reward_model = shard(
-            gpt2.load(args.reward_model, meta, head="saved"), device, bf16, frozen=True
-        )
+        reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=frozen)
     policy.activation_checkpointing = args.activation_checkpointing
-    shard(policy, device, bf16)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     forward_model = torch.compile(policy) if args.compile else policy
     args.out_dir = start_run(args, "grpo")
@@ -576,10 +574,10 @@ def setup_distributed():
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if "RANK" in os.environ:
-        torch.cuda.set_device(device) if cuda else None
+        if cuda:
+            torch.cuda.set_device(device)
         # a long save on rank 0 must not time out the other ranks' wait
-        timeout = datetime.timedelta(hours=2)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
         atexit.register(dist.destroy_process_group)
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
@@ -610,38 +608,33 @@ def all_reduce(x):
 
 def start_run(args, algo):
     """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
-    box = [args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}", None]
-    if MASTER:
-        try:
-            claim_run_dir(box[0], args)
-        except RunError as e:
-            box[1] = e
+    out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
+    problem = [claim_run_dir(out_dir, args) if MASTER else None]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if box[1]:
-        raise box[1]
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise RunError(problem[0])
     if MASTER and args.wandb:
         import wandb
 
-        wandb.init(config=asdict(args), dir=box[0], name=os.path.basename(box[0]))
-    return box[0]
+        wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    return out_dir
 
 
 def claim_run_dir(out_dir, args):
+    """None once this process holds out_dir (an flock), else what stops it."""
     if args.resume and not args.out_dir:
-        raise RunError("--resume needs --out_dir DIR: the run to continue")
+        return "--resume needs --out_dir DIR: the run to continue"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
-        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
+        return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:
         os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
         LOCK.append(open(f"{out_dir}/.lock", "w"))
         fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunError(f"another run is writing to '{out_dir}': pass another --out_dir") from None
+        return f"another run is writing to '{out_dir}': pass another --out_dir"
     except OSError as e:
-        raise RunError(
-            f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
-        ) from None
+        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
     if not args.resume:  # a fresh run, or --overwrite
         shutil.rmtree(f"{out_dir}/checkpoints")
         os.makedirs(f"{out_dir}/checkpoints")
@@ -683,7 +676,8 @@ def load_checkpoint(out_dir, models):
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # safetensors and torch.load raise many kinds of error on a damaged file
             [load_file(f"{path}/{name}/model.safetensors") for name in models]
-            box = [path, torch.load(f"{path}/state.pt", weights_only=True)][:1]
+            torch.load(f"{path}/state.pt", weights_only=True)
+            box = [path]
             break
         except Exception as e:
             print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__})", flush=True)

@@ -31,7 +31,6 @@ step, --num_epochs and --clip_eps_low/high mean the same.
 """
 
 import atexit
-import copy
 import datetime
 import fcntl
 import functools
@@ -278,22 +277,22 @@ def main(args: Args):
     # 3. run directory; models: the policy, the reference (a copy, so a random `tiny` is its own
     # reference too), the reward model and the value model (a copy of the reward model)
     args.out_dir = start_run(args, "ppo")
-    policy = gpt2.load(args.model, meta)
-    reward_model = gpt2.load(args.reward_model, meta, head="saved")
+    # each built once: rank 0 reads the weights, every rank's shard gets them (gpt2.load)
+    trained, frozen = (lambda m: shard(m, device, bf16)), (lambda m: shard(m, device, bf16, True))
+    policy = gpt2.load(args.model, meta, shard=trained)
+    torch.manual_seed(args.seed)  # `--model tiny`: the policy's random init again
+    ref_policy = gpt2.load(args.model, meta, shard=frozen)
+    reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=frozen)
+    value_model = gpt2.load(args.reward_model, meta, head="saved", shard=trained)
     context = min(policy.config.block_size, reward_model.config.block_size)
     if prompts["query"].shape[1] + args.response_length > context:
         raise RunError(f"prompt + --response_length exceed the models' {context} tokens: lower it")
-    ref_policy, value_model = copy.deepcopy(policy), copy.deepcopy(reward_model)
     if args.value_head == "zero":  # lm-human-preferences' value head: the first values are 0
         torch.nn.init.zeros_(value_model.score.weight)
         torch.nn.init.zeros_(value_model.score.bias)
         value_model.reward_gain, value_model.reward_bias = 1.0, 0.0
-    ref_policy, reward_model = (
-        shard(m, device, bf16, frozen=True) for m in (ref_policy, reward_model)
-    )
     for model in (policy, value_model):
         model.activation_checkpointing = args.activation_checkpointing
-        shard(model, device, bf16)
     optimizers = {"adam_tf": AdamTF, "adam": functools.partial(torch.optim.Adam, fused=True)}
     optimizer = functools.partial(optimizers[args.optimizer], lr=args.lr, eps=args.eps)
     policy_opt, value_opt = optimizer(policy.parameters()), optimizer(value_model.parameters())
@@ -523,10 +522,10 @@ def setup_distributed():
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if "RANK" in os.environ:
-        torch.cuda.set_device(device) if cuda else None
+        if cuda:
+            torch.cuda.set_device(device)
         # a long save on rank 0 must not time out the other ranks' wait
-        timeout = datetime.timedelta(hours=2)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
         atexit.register(dist.destroy_process_group)
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
@@ -557,38 +556,33 @@ def all_reduce(x):
 
 def start_run(args, algo):
     """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
-    box = [args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}", None]
-    if MASTER:
-        try:
-            claim_run_dir(box[0], args)
-        except RunError as e:
-            box[1] = e
+    out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
+    problem = [claim_run_dir(out_dir, args) if MASTER else None]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if box[1]:
-        raise box[1]
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise RunError(problem[0])
     if MASTER and args.wandb:
         import wandb
 
-        wandb.init(config=asdict(args), dir=box[0], name=os.path.basename(box[0]))
-    return box[0]
+        wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    return out_dir
 
 
 def claim_run_dir(out_dir, args):
+    """None once this process holds out_dir (an flock), else what stops it."""
     if args.resume and not args.out_dir:
-        raise RunError("--resume needs --out_dir DIR: the run to continue")
+        return "--resume needs --out_dir DIR: the run to continue"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
-        raise RunError(f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir")
+        return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:
         os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
         LOCK.append(open(f"{out_dir}/.lock", "w"))
         fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunError(f"another run is writing to '{out_dir}': pass another --out_dir") from None
+        return f"another run is writing to '{out_dir}': pass another --out_dir"
     except OSError as e:
-        raise RunError(
-            f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
-        ) from None
+        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
     if not args.resume:  # a fresh run, or --overwrite
         shutil.rmtree(f"{out_dir}/checkpoints")
         os.makedirs(f"{out_dir}/checkpoints")
@@ -630,7 +624,8 @@ def load_checkpoint(out_dir, models):
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # safetensors and torch.load raise many kinds of error on a damaged file
             [load_file(f"{path}/{name}/model.safetensors") for name in models]
-            box = [path, torch.load(f"{path}/state.pt", weights_only=True)][:1]
+            torch.load(f"{path}/state.pt", weights_only=True)
+            box = [path]
             break
         except Exception as e:
             print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__})", flush=True)
