@@ -9,8 +9,10 @@
 3. memory: MEASURED, per rank, one training step of the policy (forward + backward + AdamW at
    --memory_shape, 2 x 256 tokens) under FSDP2 at gpt2-large's shape on 1 and 2 ranks, one
    `torchrun` launch per rank count (sharded by a copy of the scripts' own `shard`): the bytes of
-   parameters, gradients and Adam states, RSS once the full model is built (every rank builds it,
-   as the scripts do) and peak RSS (on CUDA also max_memory_allocated). Then a COMPUTED table: the
+   parameters, gradients and Adam states, RSS once the model is loaded as the scripts load it
+   (gpt2.load(shard=): rank 0 reads a random checkpoint, the other ranks build on the meta
+   device and receive their shards) and peak RSS (on CUDA also max_memory_allocated). Then a
+   COMPUTED table: the
    GPU memory each script should need per rank at gpt2-large and gpt2-xl, 256- and 512-token
    responses, on --expected_ranks, with and without activation checkpointing (`expected_memory`).
 4. optimizer: one AdamW step over each preset's parameters, torch's three implementations (for-loop,
@@ -43,9 +45,11 @@ dependency: pip install -r requirements-test.txt.
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -70,20 +74,20 @@ NOTES = dict(  # printed above each section's table
     generate="sampling (temperature 1, top_k 0, no stop token) from left-padded prompts with an "
     "attention mask, tokens/s = sampled tokens; HF model.generate with its default cache and "
     "attention",
-    memory="MEASURED: one step of the policy (forward + backward of the cross-entropy on all "
-    "logits + fused AdamW) under FSDP2 (fp32 on CPU; bf16 params, fp32 reduce on CUDA); bytes are "
-    "this rank's local shards; 'built' is RSS once the full model is built, as every rank does "
-    "before sharding (torchrun workers run with MALLOC_MMAP_THRESHOLD_=131072 unless set, so RSS "
-    "tracks the live tensors)",
+    memory="MEASURED: one step of the policy (forward + backward of the response log-probs "
+    "through gpt2.logprobs + fused AdamW) under FSDP2 (fp32 on CPU; bf16 params, fp32 reduce on "
+    "CUDA); bytes are this rank's local shards; 'loaded' is RSS once the model is loaded and "
+    "sharded as the scripts do (gpt2.load(shard=): only rank 0 reads the full weights); torchrun "
+    "workers run with MALLOC_MMAP_THRESHOLD_=131072 unless set, so RSS tracks the live tensors",
     expected="COMPUTED, not measured: GPU GiB per rank = the models' shards (trained: fp32 params "
     "+ grads + Adam, 16 B/param; frozen: bf16 blocks, fp32 root) + the larger of training (FSDP's "
     "gathered root and blocks, activations of one micro-batch of 8 (pairs for dpo, reward): 34 C "
     "bytes per token per layer in bf16 (2 C with checkpointing, plus one layer's 34 C), a bf16 "
-    "mask per layer, fp32 logits and their gradient over the response) and sampling (the whole "
-    "policy gathered, a bf16 KV cache of the rollout batch: ppo and reward 8 sequences, grpo "
-    "32 x 8 / N); 128-token prompts; ppo: policy + value trained, reference + reward frozen; "
-    "grpo: policy trained, reference frozen (beta > 0); dpo: policy only (the reference's "
-    "log-probs precomputed); reward: one model (+ the frozen policy sampling for the "
+    "mask per layer, fp32 logits over the response, their gradient written over them) and "
+    "sampling (the whole policy gathered, a bf16 KV cache of the rollout batch: ppo and reward 8 "
+    "sequences, grpo 32 x 8 / N); 128-token prompts; ppo: policy + value trained, reference + "
+    "reward frozen; grpo: policy trained, reference frozen (beta > 0); dpo: policy only (the "
+    "reference's log-probs precomputed); reward: one model (+ the frozen policy sampling for the "
     "normalisation); a cell: without / with activation checkpointing; *: sampling sets the peak",
     optimizer="one torch.optim.AdamW step (gradients present) over all parameters of a preset",
     gemm="fp32 GEMMs of each linear layer's shape through MKL (torch's default) and oneDNN "
@@ -128,6 +132,8 @@ class Args:
     """memory section: preset of the measured policy"""
     memory_shape: str = "2x256"
     """memory section: micro-batch x sequence length of the measured step"""
+    memory_checkpoint: str = ""
+    """memory section, internal: the random checkpoint the workers load"""
     memory_ranks: str = "1,2"
     """memory section: comma-separated rank counts, one torchrun launch each"""
     expected_ranks: str = "1,8"
@@ -389,7 +395,9 @@ def bench_generate(args: Args, device, sync, meta) -> list[dict]:
 def bench_memory(args: Args, device) -> tuple[list[dict], list[dict]]:
     """MEASURED: the memory worker under torchrun once per rank count (rank 0 prints one JSON line
     for all ranks); then the COMPUTED table of expected_memory."""
-    rows = []
+    rows, checkpoint = [], tempfile.mkdtemp(prefix="bench_memory_")
+    torch.manual_seed(args.seed)
+    gpt2.save(gpt2.GPT(config(args.memory_preset)), checkpoint)  # the workers load it
     for n in [int(r) for r in args.memory_ranks.split(",")]:
         if device.type == "cuda" and n > torch.cuda.device_count():
             print(f"skipped {n} ranks: {torch.cuda.device_count()} GPU(s)")
@@ -398,6 +406,7 @@ def bench_memory(args: Args, device) -> tuple[list[dict], list[dict]]:
         flags = ["--memory_preset", args.memory_preset, "--memory_shape", args.memory_shape]
         cmd = [*torchrun, f"--nproc_per_node={n}", os.path.abspath(__file__), *flags]
         cmd += ["--seed", str(args.seed), "--sections", "memory_worker"]
+        cmd += ["--memory_checkpoint", checkpoint]
         # glibc's adaptive mmap threshold keeps freed FSDP all-gather buffers in the heap (GBs of
         # RSS on CPU for gpt2): a fixed threshold hands them back, so RSS tracks the live tensors
         defaults = dict(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
@@ -411,11 +420,12 @@ def bench_memory(args: Args, device) -> tuple[list[dict], list[dict]]:
         mb = {k: max(r[k] for r in ranks) / 2**20 for k in ranks[0]}  # the largest rank's
         row = {"ranks": n, "preset": args.memory_preset, "B x T": args.memory_shape}
         row |= {"params MB/rank": mb["params"], "grads MB/rank": mb["grads"]}
-        row |= {"Adam MB/rank": mb["adam"], "RSS built MB/rank": mb["built_rss"]}
+        row |= {"Adam MB/rank": mb["adam"], "RSS loaded MB/rank": mb["built_rss"]}
         row |= {"peak RSS MB/rank": mb["peak_rss"]}
         if "cuda_peak" in mb:
             row["CUDA peak MB/rank"] = mb["cuda_peak"]
         rows += show([row])
+    shutil.rmtree(checkpoint)
     return rows, expected_table(args)
 
 
@@ -444,7 +454,7 @@ def expected_memory(script, preset, response_length, ranks, checkpointing, promp
     T, S = prompt_length + response_length, shape["seqs"]
     per_token = 2 * C * L + 34 * C if checkpointing else 34 * C * L  # bf16 saved for backward
     mask = S * T * T * (3 if checkpointing else 2 * L)  # the bool mask, as a bf16 bias per layer
-    head = 2 * 4 * V * shape["logit_seqs"] * response_length  # fp32 logits and their gradient
+    head = 4 * V * shape["logit_seqs"] * response_length  # fp32 logits; their gradient over them
     gathered = (4 * root + 8 * block) * min(shape["trained"], 2)  # fp32 root, 2 blocks + grads
     train = gathered + S * T * per_token + mask + head
     batch = -(-shape["sampled"] // ranks) if script == "grpo" else shape["sampled"]
@@ -596,20 +606,21 @@ def bench_prompts(args: Args, device, sync) -> list[dict]:
 
 
 def memory_worker(args: Args):
-    """One rank: the policy built in full (as every rank of the scripts does), sharded as they
-    shard it, one forward + backward + fused AdamW step at --memory_shape; then its bytes."""
+    """One rank: the policy loaded as the scripts load it (gpt2.load(shard=)), one forward +
+    backward of the response log-probs (gpt2.logprobs, as the scripts) + fused AdamW step at
+    --memory_shape (half prompt, half response); then its bytes."""
     rank, world_size, device = setup_distributed()
     B, T = parse_shape(args.memory_shape, 2, "memory_shape")
-    cfg = config(args.memory_preset)
-    torch.manual_seed(args.seed)
-    policy = gpt2.GPT(cfg).to(device)
+    bf16 = device.type == "cuda"
+    policy = gpt2.load(args.memory_checkpoint, shard=lambda m: shard(m, device, bf16))
     built_rss = rss()
-    shard(policy, device, bf16=device.type == "cuda")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True)
-    idx = torch.randint(0, cfg.vocab_size, (B, T), device=device)
-    logits = policy(idx)  # (B, T, V)
-    F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
-    del logits
+    torch.manual_seed(args.seed)
+    idx = torch.randint(0, policy.config.vocab_size - 1, (B, T), device=device)  # no stop token
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    with ctx:
+        logprobs = gpt2.logprobs(policy, idx[:, : T // 2], idx[:, T // 2 :])[0]
+    (-logprobs.mean()).backward()
     optimizer.step()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard here
     nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)
