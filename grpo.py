@@ -587,10 +587,12 @@ def shard(model, device, bf16, frozen=False):
     (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
     if frozen:
         model.eval().requires_grad_(False)
-    if not dist.is_initialized():  # one process: autocast does bf16 and keeps LayerNorms fp32
+    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
+        for m in model.transformer.h.modules():
+            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
+                m.to(torch.bfloat16)
+    if not dist.is_initialized():
         return model.to(device)
-    if bf16 and frozen:
-        model.transformer.h.to(torch.bfloat16)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32

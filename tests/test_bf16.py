@@ -34,9 +34,12 @@ def test_grpo_first_minibatch_is_exactly_on_policy(tmp_path, nproc):
     flags = "--model tiny --beta 0.05 --total_episodes 64 --num_prompts_per_step 8 "
     flags += "--num_samples_per_prompt 4 --num_minibatches 1 --micro_batch_size 8 --eval_size 0 "
     flags += "--response_length 4 --missing_eos_penalty 1 --lr 3e-4"
-    for m in run("grpo.py", ["--out_dir", str(tmp_path), *flags.split()], nproc):
+    rows = run("grpo.py", ["--out_dir", str(tmp_path), *flags.split()], nproc)
+    for m in rows:
         assert m["val/ratio"] == 1.0 and m["val/ratio_var"] == 0.0, m
         assert m["policy/approxkl_avg"] == 0.0 and m["policy/clipfrac_avg"] == 0.0, m
+    # the frozen reference, stored in bf16 as the policy computes, is the policy at step 1
+    assert rows[0]["objective/kl"] == 0.0 and rows[-1]["objective/kl"] > 0
 
 
 def test_dpo_starts_at_ln2_in_one_process(tmp_path):
