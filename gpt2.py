@@ -1,10 +1,7 @@
-"""GPT-2 from scratch for RLHF (Radford et al. 2019): the model every algorithm file shares.
-
-Module names and the (in, out) projection layout are GPT-2's own, so weights move to and from
-Hugging Face's GPT2LMHeadModel as they are. Beyond nanoGPT: positions from the attention mask
-(left padding changes no logit), KV-cache generation that returns the response mask and the
-sampler's log-probs, scalar heads (reward, value), and load/save of plain or FSDP2-sharded models.
-"""
+"""GPT-2 from scratch for RLHF (Radford et al. 2019): the model every algorithm file shares, in
+GPT-2's own module names and (in, out) layout, so weights move to and from Hugging Face as they are.
+Beyond nanoGPT: positions from the attention mask (left padding changes no logit), KV-cache
+generation, chunked log-probs, scalar heads, and load/save of plain or FSDP2-sharded models."""
 
 import ctypes
 import json
@@ -286,6 +283,7 @@ class TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, t, with_entropy):
         ctx.save_for_backward(logits, target)
+        ctx.set_materialize_grads(False)  # an entropy only logged gets no gradient work
         ctx.t, ctx.n, out, entropy = t, max(1, TokenLogProbs.CHUNK // logits.size(1)), [], []
         for x, y in zip(logits.split(ctx.n), target.split(ctx.n)):
             logp = (x.float() / t).log_softmax(-1)  # generate's formula: the same bits
@@ -297,13 +295,14 @@ class TokenLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, grad_entropy):
         (logits, target), n = ctx.saved_tensors, ctx.n
-        grad_entropy = torch.zeros_like(grad) if grad_entropy is None else grad_entropy
-        chunks = (v.split(n) for v in (logits, target, grad[:, None], grad_entropy[:, None]))
-        for x, y, g, g_h in zip(*chunks):
-            logp = (x.float() / ctx.t).log_softmax(-1)
-            p = logp.exp()
+        grad = torch.zeros(len(target), device=logits.device) if grad is None else grad
+        for i, (x, y) in enumerate(zip(logits.split(n), target.split(n))):
+            logp, g = (x.float() / ctx.t).log_softmax(-1), grad[i * n : (i + 1) * n, None]
             # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t
-            dx = p * (-g - g_h * (logp - (p * logp).sum(-1, keepdim=True)))
+            dx = logp.exp().mul_(-g)
+            if grad_entropy is not None:
+                h = -(logp.exp() * logp).sum(-1, keepdim=True)
+                dx -= grad_entropy[i * n : (i + 1) * n, None] * logp.exp() * (logp + h)
             x.copy_(dx.scatter_add_(1, y[:, None], g).div_(ctx.t))
         return logits, None, None, None
 

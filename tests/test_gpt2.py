@@ -264,6 +264,13 @@ def test_logprobs_equal_the_plain_formula(monkeypatch, temperature):
     for got, p in zip(grads, model.parameters()):
         torch.testing.assert_close(got, p.grad.to_dense(), atol=1e-5, rtol=1e-4)
     assert gpt2.logprobs(model, query, response, temperature)[1] is None
+    model.zero_grad()  # an entropy only logged: the gradient is the log-probs' alone
+    (gpt2.logprobs(model, query, response, temperature, True)[0] * weights[0]).sum().backward()
+    only_logprobs = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    (gpt2.logprobs(model, query, response, temperature)[0] * weights[0]).sum().backward()
+    for got, p in zip(only_logprobs, model.parameters()):
+        torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=1e-5)
 
 
 def test_trim_padding_equals_the_two_sync_version():
