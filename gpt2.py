@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions as Options
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint import state_dict as dcp
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
@@ -330,11 +329,9 @@ TIED = {"lm_head.weight": "transformer.wte.weight"}  # lm_head is wte: not saved
 
 def load(name, tokenizer=None, head=None, shard=None):
     """`tiny` (random init), a GPT-2 preset (pretrained, downloaded once per node) or a checkpoint
-    directory or file, ours or Hugging Face's. tokenizer: the data's meta (vocab_size, stop and pad
-    ids); the embedding must hold its vocabulary (padded to a multiple of 128 at most). head: None
-    for a GPT; "new" or "saved" (a reward model's) for a ScalarModel. shard: the script's wrapper
-    (model -> model; FSDP2 under torch.distributed, where it must leave devices to fully_shard):
-    then rank 0 alone reads (or inits) the weights and broadcasts them into the others' shards."""
+    dir or file, ours or HF's. tokenizer: the data's meta (vocab_size, stop and pad ids). head: None
+    (a GPT), "new" or "saved" (a ScalarModel). shard: the script's FSDP2 wrapper (model -> model),
+    under which rank 0 alone reads (or inits) the weights and broadcasts them into every shard."""
     rank = dist.get_rank() if shard and dist.is_initialized() else None
     with torch.device("meta") if rank else nullcontext():  # no weights read: the header's shapes
         model = _build(name, tokenizer or {}, head, shapes_only=bool(rank))
@@ -344,8 +341,8 @@ def load(name, tokenizer=None, head=None, shard=None):
     model = shard(model)
     if rank:  # storage for the shards, in place: the tied wte and lm_head stay one parameter
         model.to_empty(device=next(model.parameters()).device_mesh.device_type)
-    options = Options(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, state, options=options)
+    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dcp.set_model_state_dict(model, state, options=options)
     return model
 
 
@@ -380,11 +377,12 @@ def _build(name, tok, head, shapes_only):  # load()'s model, as one process buil
     return model
 
 
-def save(model, out_dir):
-    """model.safetensors + config.json, HF layout; under FSDP2 all ranks call it, rank 0 writes."""
-    gather = dist.is_initialized()  # the full state dict, to rank 0, which alone writes
-    state = get_model_state_dict(model, options=Options(full_state_dict=gather, cpu_offload=gather))
-    if gather and dist.get_rank() != 0:
+def save(model, out_dir, optimizer=None):
+    """model.safetensors, config.json (HF layout), optimizer.pt if given; all ranks call it."""
+    full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in CPU memory
+    state = dcp.get_model_state_dict(model, options=full)
+    optim = optimizer and dcp.get_optimizer_state_dict(model, optimizer, options=full)
+    if dist.is_initialized() and dist.get_rank() != 0:
         return
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in TIED}
     config = asdict(model.config)  # renamed to Hugging Face's GPT2Config
@@ -398,13 +396,19 @@ def save(model, out_dir):
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    if optimizer:
+        torch.save(optim, os.path.join(out_dir, "optimizer.pt"))
 
 
-def load_weights(model, path):
-    """Load what `save` wrote into a model of the same shape, plain or FSDP2-sharded."""
+def load_weights(model, path, optimizer=None):
+    """Load what `save` wrote (into a model of the same shape, plain or FSDP2-sharded)."""
     tensors, config = _read(path)
     state = {k: tensors[TIED.get(k, k)] for k in model.state_dict()}
-    set_model_state_dict(model, state, options=Options(full_state_dict=dist.is_initialized()))
+    options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
+    dcp.set_model_state_dict(model, state, options=options)
+    if optimizer:
+        optim = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+        dcp.set_optimizer_state_dict(model, optimizer, optim, options=options)
     if isinstance(model, ScalarModel):
         model.reward_gain, model.reward_bias = config["reward_gain"], config["reward_bias"]
 
@@ -434,18 +438,15 @@ def _resolve(name):
         raise RunError(f"no checkpoint at '{name}': pass a model.safetensors or its directory")
     cache = os.path.expanduser(os.environ.get("GPT2_CACHE", "~/.cache/gpt2_rlhf"))
     path = os.path.join(cache, f"{name}.safetensors")
-    first = os.environ.get("LOCAL_RANK", "0") == "0"
-    if dist.is_initialized() and not first:
-        dist.barrier()  # until local rank 0 has it
-    if first and not os.path.isfile(path):
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isfile(path):
         os.makedirs(cache, exist_ok=True)
         url = f"https://huggingface.co/{name}/resolve/main/model.safetensors"
         try:  # to a temp file, then renamed: nodes may share the cache directory
             torch.hub.download_url_to_file(url, path, progress=False)
         except OSError as e:
             raise RunError(f"could not download {url} ({e}); offline, pass its directory") from None
-    if dist.is_initialized() and first:
-        dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()  # the node's other ranks wait for its local rank 0
     return path
 
 

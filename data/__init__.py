@@ -142,12 +142,13 @@ def load_meta(data: str) -> dict:
         raise RunError(f"{data}/meta.json is damaged ({e!r}): prep the dataset again") from None
 
 
-def has_split(data: str, split: str) -> bool:
-    """Whether the dataset holds the split (an optional eval such as pref_test may be absent)."""
+def eval_split(data: str, split: str, size: int) -> dict[str, np.ndarray] | None:
+    """The first `size` rows of an optional eval split (pref_test for the preference accuracy), or
+    None where the dataset has no such split or size is 0."""
     _check_dir(data)
-    if data == "arithmetic":
-        return split in _builtin(data)[1]
-    return os.path.isfile(os.path.join(data, split + ".npz"))
+    path = os.path.join(data, split + ".npz")
+    there = split in _builtin(data)[1] if data == "arithmetic" else os.path.isfile(path)
+    return {k: v[:size] for k, v in load_split(data, split).items()} if there and size else None
 
 
 def load_split(data: str, split: str) -> dict[str, np.ndarray]:
@@ -170,6 +171,23 @@ def load_split(data: str, split: str) -> dict[str, np.ndarray]:
         raise RunError(
             f"cannot read {path} ({e.__class__.__name__}): prep the dataset again"
         ) from None
+
+
+def exact_div(a: int, b: int, flags: str) -> int:
+    """a / b for batch sizes that must divide: else a one-line error naming the flags to change."""
+    if b <= 0 or a % b:
+        raise RunError(f"{a} does not divide by {b}: change {flags}")
+    return a // b
+
+
+def check_context(split: dict, block_size: int, response_length: int = 0) -> None:
+    """A one-line error where a prompt and its longest response (or response_length new tokens)
+    would not fit in the model's context."""
+    responses = [v.shape[1] for k, v in split.items() if k in ("response", "chosen", "rejected")]
+    length = split["query"].shape[1] + max(responses + [response_length])
+    if length > block_size:
+        fix = "lower --response_length or prep shorter data"
+        raise RunError(f"prompt + response ({length} tokens) exceed the model's context: {fix}")
 
 
 def batch_indices(seed: int, step: int, n: int, batch_size: int) -> np.ndarray:

@@ -458,9 +458,11 @@ def test_preference_accuracy_counts_ties_half():
     )
 
 
-def test_has_split(tmp_path):
+def test_eval_split_is_the_first_rows_or_none(tmp_path):
     splits = arithmetic.build(sizes=dict(sft_train=4, sft_test=4))
     data.write_dataset(str(tmp_path / "d"), arithmetic.META, splits)
-    assert data.has_split(str(tmp_path / "d"), "sft_test")
-    assert not data.has_split(str(tmp_path / "d"), "pref_test")
-    assert data.has_split("arithmetic", "pref_test")
+    head = data.eval_split(str(tmp_path / "d"), "sft_test", 3)
+    assert np.array_equal(head["query"], splits["sft_test"]["query"][:3])
+    assert data.eval_split(str(tmp_path / "d"), "pref_test", 3) is None  # not prepped
+    assert data.eval_split("arithmetic", "pref_test", 0) is None  # no eval
+    assert len(data.eval_split("arithmetic", "pref_test", 5)["chosen"]) == 5
