@@ -87,7 +87,7 @@ class AdamTF(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -97,28 +97,13 @@ class AdamTF(torch.optim.Optimizer):
                         "use dense embeddings (sparse=False)"
                     )
                 state = self.state[p]
-                if not state:
+                if not state:  # fp32 moments for a bf16 or fp16 parameter
                     low_precision = p.dtype in (torch.bfloat16, torch.float16)
                     state_dtype = torch.float32 if low_precision else p.dtype
                     state["step"] = 0
-                    state["m"] = torch.zeros_like(
-                        p, dtype=state_dtype, memory_format=torch.preserve_format
-                    )
-                    state["v"] = torch.zeros_like(
-                        p, dtype=state_dtype, memory_format=torch.preserve_format
-                    )
+                    state["m"] = torch.zeros_like(p, dtype=state_dtype)
+                    state["v"] = torch.zeros_like(p, dtype=state_dtype)
                 state["step"] += 1
-                t = state["step"]
-                adam_tf_step(
-                    p,
-                    p.grad,
-                    state["m"],
-                    state["v"],
-                    beta1**t,
-                    beta2**t,
-                    group["lr"],
-                    beta1,
-                    beta2,
-                    group["eps"],
-                )
+                m, v, t = state["m"], state["v"], state["step"]
+                adam_tf_step(p, p.grad, m, v, beta1**t, beta2**t, lr, beta1, beta2, eps)
         return loss
