@@ -1,17 +1,12 @@
 """Group Relative Policy Optimization (GRPO): PPO without a value model, advantages from groups.
 
 Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G responses per prompt,
-score them (the task's verifier and/or a reward model from reward.py) and give every token of a
-response the group-normalised reward (r - mean) / std as its advantage. The loss is PPO's clipped
-surrogate plus beta * KL(pi_theta || pi_ref) (in the loss; PPO-RLHF puts it in the reward). Each
-later finding is one flag that picks a small function (docs/variants_grpo.md): KL estimators
-k1-k4 and TRL's rho k3, or the KL in the reward; DAPO's clip-higher, dynamic sampling, overlong
-masking and punishment (arXiv 2503.14476); Dr. GRPO (arXiv 2503.20783); GSPO (arXiv 2507.18071);
-RLOO (arXiv 2402.14740); CISPO (arXiv 2506.13585); dual-clip (arXiv 1912.09729); an entropy bonus,
-adaptive as Skywork-OR1's (arXiv 2505.22312); batch-std scaling; RSO's rejection sampling of
-candidates (arXiv 2309.06657). Deviations: sampling uses the full tempered distribution, so
-pi_old's log-probs are the sampler's own; each minibatch takes an equal share of every group, the
-same on any number of ranks.
+score them (the task's verifier and/or a reward model from reward.py), give every token of a
+response the group-normalised reward (r - mean) / std as its advantage; the loss is PPO's clipped
+surrogate plus beta * KL(pi_theta || pi_ref), not a KL reward as in PPO-RLHF. Later findings (KL
+estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO, dual-clip, entropy bonuses, RSO, batch std) are
+flags picking small functions (docs/variants_grpo.md). Deviations: pi_old's log-probs are the
+sampler's (full tempered distribution); minibatches: equal shares of each group, any rank count.
 
     python grpo.py                                   # from runs/sft/latest, arithmetic verifier
     torchrun --nproc_per_node=2 grpo.py --beta 0.03  # a KL penalty, FSDP2 over 2 ranks
@@ -34,7 +29,6 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -43,8 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import state_dict as dcp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
@@ -111,26 +103,18 @@ class Args:
 # GRPO: KL estimators, group advantages, the clipped surrogate and its aggregation
 
 KL_CLAMP = 40.0  # |log pi_theta - log pi_ref| cap (open-instruct): exp(40) is finite in bf16
-# per-token estimates of KL(pi_theta || pi_ref) from logr = log(pi_theta / pi_ref) and log_w =
-# log(pi_theta / pi_old); kl_penalty says what each one's gradient estimates
-KL_ESTIMATORS = {
+KL_ESTIMATORS = {  # per token, of logr = log pi_theta / pi_ref and log_w = log pi_theta / pi_old
     "k1": lambda logr, log_w: logr,
     "k2": lambda logr, log_w: 0.5 * logr.square(),
     "k3": lambda logr, log_w: torch.expm1(-logr) + logr,
     "k4": lambda logr, log_w: torch.exp(log_w) * logr,
-    # TRL 1.16's default (use_bias_correction_kl): rho k3, its rho not detached, as in TRL
-    "k3_ratio": lambda logr, log_w: torch.exp(log_w) * (torch.expm1(-logr) + logr),
+    "k3_ratio": lambda logr, log_w: torch.exp(log_w) * (torch.expm1(-logr) + logr),  # TRL's default
 }
 
 
 def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator):
-    """(B, T) estimate of KL(pi_theta || pi_ref) at tokens sampled from pi_old, differentiable
-    through new_logprobs. grad KL = E_pi[logr grad log pi]; the estimators' expected gradients
-    (values: http://joschu.net/blog/kl-approx.html): k1 E[grad log pi] = 0 (no pull at all);
-    k2 E_old[logr grad log pi], grad KL only on-policy; k3 E[(1 - pi_ref / pi) grad log pi] =
-    grad KL(pi_ref || pi), the other direction; k4 E_old[w (logr + 1) grad log pi] and k3_ratio
-    grad E_old[w k3] = grad E_pi[k3] = grad KL for any pi_old. logr is clamped: past ~88, k3's
-    exp(-logr) is inf, and 0 * inf is NaN."""
+    """(B, T) KL(pi_theta || pi_ref) estimates at tokens from pi_old, differentiable in new_logprobs
+    (their gradients: docs/variants_grpo.md); logr clamped: past ~88, k3's exp(-logr) is inf."""
     logr = (new_logprobs - ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)
     return KL_ESTIMATORS[estimator](logr, new_logprobs - old_logprobs)
 
@@ -167,23 +151,19 @@ def group_advantages(scores, group_size, advantage="grpo", scale="group"):
 
 
 def kl_in_reward(scores, logprobs, ref_logprobs, mask, beta):
-    """Scores (B,) - beta sum_t (log pi_old - log pi_ref) over each response's tokens: the KL (k1)
-    as a reward (TRL's RLOO, verl's use_kl_in_reward, OpenRLHF), none in the loss then."""
+    """Scores (B,) - beta sum_t (log pi_old - log pi_ref) of a response: the KL (k1) as a reward."""
     return scores - beta * ((logprobs - ref_logprobs) * mask).sum(1)
 
 
 def overlong_penalty(lengths, max_length, buffer, penalty):
-    """DAPO eq. 13 of (B,) response lengths: 0 up to max_length - buffer tokens, then linear down
-    to -penalty at max_length, -penalty beyond."""
+    """DAPO eq. 13 of (B,) lengths: 0 to max_length - buffer, linear to -penalty from max_length."""
     return ((max_length - buffer - lengths) / buffer).clamp(-1.0, 0.0) * penalty
 
 
 def rso_select(rewards, k, temperature, uniforms):
-    """RSO's statistical rejection sampling (Liu et al. 2023, arXiv 2309.06657, Algorithm 1) of k
-    of each prompt's N candidates, rewards (P, N): each round, every candidate left is accepted in
-    turn with probability exp((r - r_max) / temperature), r_max the best left, until k are. The
-    best is always accepted, so k rounds at most; uniforms (P, k, N) are round j's draws.
-    -> indices (P, k) in the order accepted, and the rounds each prompt took (P,)."""
+    """RSO (arXiv 2309.06657, Alg. 1): k of N candidates, rewards (P, N); round j accepts each one
+    left in turn w.p. exp((r - r_max) / temperature) (uniforms[:, j]), r_max the best left, until k
+    are (the best always is). -> indices (P, k) in the order accepted, the rounds each took (P,)."""
     left, taken = torch.ones_like(rewards, dtype=torch.bool), rewards.new_zeros(len(rewards))
     place, rounds = torch.full_like(rewards, float("inf")), torch.zeros_like(taken)
     for j in range(k):
@@ -203,10 +183,8 @@ IMPORTANCE_LEVELS = {  # log pi_theta / pi_old (B, T) per token, or GSPO's: its 
 
 
 def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
-    """PPO's clipped surrogate per token (B, T) of log pi_theta / pi_old (B, T) and each
-    response's advantage (B,): the ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's
-    clip-higher: clip_high > clip_low); dual-clip (Ye et al. 2020, arXiv 1912.09729; verl's
-    clip_ratio_c) caps the loss of A < 0 at -dual_clip A. Also the ratio, where the clip binds."""
+    """PPO's clipped surrogate (B, T) of log pi_theta / pi_old (B, T), advantages (B,), the ratio
+    in [1 - clip_low, 1 + clip_high], A < 0's loss capped at -dual_clip A. Also ratio, clipped."""
     ratio, advantages = torch.exp(log_ratio), advantages[:, None]
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -217,9 +195,8 @@ def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
 
 
 def cispo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): -sg(min(rho, 1 + clip_high)) A log pi_theta
-    per token: the weight is capped, not the gradient, so a capped token still gets one. log rho
-    stands in for log pi_theta: the same gradient (pi_old is a constant), 0 on-policy."""
+    """CISPO (arXiv 2506.13585, eq. 4): -sg(min(rho, 1 + clip_high)) A log pi per token, its weight
+    capped, not its gradient; log rho for log pi: the same gradient (pi_old fixed), 0 on-policy."""
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(max=1.0 + clip_high).detach()
     return -advantages[:, None] * weight * log_ratio, ratio, (ratio > 1.0 + clip_high).float()
@@ -243,9 +220,8 @@ def adaptive_entropy_coef(coef, entropy, target, delta):
 
 
 def dynamic_sampling(rollout, num_prompts, group_size, max_rounds, rank, world_size):
-    """DAPO: rollout(round) until num_prompts groups of all ranks have reward variance (at most
-    max_rounds more rounds); the first num_prompts such groups, topped up with zero-variance ones
-    masked out of the loss, laid out as one round. Returns it and all this rank sampled."""
+    """DAPO: rollout(round) until num_prompts groups (all ranks') have reward variance, max_rounds
+    more at most. -> those, then zero-variance ones masked out, as one round; this rank's rounds."""
     # every rank's rows in rank order: each pads its own with zeros to the global size, then a sum
     spread = lambda v: [0, 0] * (v.dim() - 1) + [rank * len(v), (world_size - rank - 1) * len(v)]
     rounds, pool = [], []  # this rank's rollouts; every rank's
@@ -283,8 +259,22 @@ def check_args(args):
         raise RunError("--total_episodes is less than one step's responses")
 
 
-# ----------------------------------------------------------------------------------------------
-# main
+def shard(model, device, bf16, frozen=False):
+    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
+    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
+    if frozen:
+        model.eval().requires_grad_(False)
+    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
+        for m in model.transformer.h.modules():
+            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
+                m.to(torch.bfloat16)
+    if not dist.is_initialized():
+        return model.to(device)
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)  # on the default mesh: every rank
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    return fully_shard(model, mp_policy=fp32 if model.fp32_head else mp)
 
 
 def main(args: Args):
@@ -292,15 +282,14 @@ def main(args: Args):
     check_args(args)
     rank, world_size, device = setup_distributed()
     num_prompts, G = args.num_prompts_per_step, args.num_samples_per_prompt
-    batch_size = num_prompts * G  # responses per step, over all ranks
-    local_prompts = exact_div(num_prompts, world_size, "--num_prompts_per_step or the ranks")
-    local_batch_size = local_prompts * G
+    local_prompts = data.exact_div(num_prompts, world_size, "--num_prompts_per_step or the ranks")
+    batch_size, local_batch_size = num_prompts * G, local_prompts * G  # responses a step, a rank's
     N = args.rejection_sampling_candidates or G  # responses sampled per prompt (RSO: N, kept G)
-    share = exact_div(G, args.num_minibatches, "--num_minibatches")  # of each group, a minibatch
+    share = data.exact_div(G, args.num_minibatches, "--num_minibatches")  # a minibatch's, per group
     micro_batch_size = min(args.micro_batch_size, local_prompts * share)
-    exact_div(local_prompts * share, micro_batch_size, "--micro_batch_size")
+    data.exact_div(local_prompts * share, micro_batch_size, "--micro_batch_size")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
     torch.manual_seed(args.seed)
 
     # 2. data, and its reward: the task's verifier and/or a reward model
@@ -315,12 +304,9 @@ def main(args: Args):
     if n_train < num_prompts:
         raise RunError(f"prompt_train has {n_train} prompts: lower --num_prompts_per_step")
 
-    # 3. models, before the run dir (a bad --model leaves none): the policy and, frozen, the
-    # reference when used (the policy as loaded unless --ref_model: KL 0 at step 1), the reward
-    # each built once: rank 0 reads the weights, every rank's shard gets them (gpt2.load)
+    # 3. models, before the run dir (a bad --model leaves none); frozen: the reference, the reward
     policy = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
-    if train["query"].shape[1] + args.response_length > policy.config.block_size:
-        raise RunError("prompt + response exceed the model's context: lower --response_length")
+    data.check_context(train, policy.config.block_size, args.response_length)
     frozen = lambda m: shard(m, device, bf16, frozen=True)
     ref_policy = reward_model = None
     if args.beta > 0 or args.ref_model:
@@ -330,47 +316,40 @@ def main(args: Args):
         reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=frozen)
     policy.activation_checkpointing = args.activation_checkpointing
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    forward_model = torch.compile(policy) if args.compile else policy
+    fwd_policy = torch.compile(policy) if args.compile else policy  # the loss's forward passes
+    forward = functools.partial(gpt2.logprobs, fwd_policy, temperature=args.temperature)
     args.out_dir = start_run(args, "grpo")
     # eval/preference_accuracy's reference: the policy as loaded, before any --resume
-    pref, ref_pair_logps = None, None
-    if args.eval_size and data.has_split(args.data, "pref_test"):
-        pref = data.load_split(args.data, "pref_test")
-        n_pairs = min(args.eval_size, len(pref["query"]))
-        ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
+    pref = data.eval_split(args.data, "pref_test", args.eval_size)  # None where absent
+    n_pairs = len(pref["query"]) if pref else 0
+    ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
     models = {"policy": (policy, optimizer)}
     state = load_checkpoint(args.out_dir, models) if args.resume else {"step": 0}
     # the entropy bonus: Skywork-OR1's coefficient, and the one applied (none until below target)
-    entropy_coef = state.get("entropy_coef", args.entropy_coef)
+    start, entropy_coef = state["step"], state.get("entropy_coef", args.entropy_coef)
     entropy_bonus = state.get("entropy_bonus", args.entropy_coef * (args.entropy_target is None))
+    logprobs_of = lambda model: lambda q, r: gpt2.logprobs(model, q, r, args.temperature)[0]
+    sampling = (pad, args.response_length, eos, args.temperature)  # gpt2.generate's, after query
+    local = lambda x: torch.from_numpy(x[rank * local_prompts :][:local_prompts]).to(device)
 
-    @torch.no_grad()
     def in_micro_batches(fn, query, response):  # rewards (B,) or log-probs (B, Tr), no gradients
         pairs = zip(query.split(micro_batch_size), response.split(micro_batch_size))
-        with ctx:
+        with torch.no_grad(), ctx:
             return torch.cat([fn(gpt2.trim_padding(q, None, pad)[0], r) for q, r in pairs])
 
-    logprobs_of = lambda model: lambda q, r: gpt2.logprobs(model, q, r, args.temperature)[0]
-
-    def rollout(step, round_):
-        """Plain GRPO's steps 1-3 on this rank's share of a sampling round of a step."""
-        # 1. prompts: the step's slice of one permutation per epoch (dynamic sampling's later
-        # rounds: of a fresh one); rank r takes a contiguous share and all N samples of each
+    def rollout(step, round_):  # plain GRPO's steps 1-3 on this rank's share of a sampling round
+        # 1. prompts: the step's slice of one permutation per epoch (later rounds: a fresh one)
         order = data.batch_indices(args.seed, step, n_train, num_prompts)
         if round_ > 0:
             order = np.random.default_rng([args.seed, step, round_, 5]).permutation(n_train)
-        prompt_idx = order[rank * local_prompts :][:local_prompts]
+        prompt_idx = order[rank * local_prompts :][:local_prompts]  # rank r's contiguous share
         query = torch.from_numpy(train["query"][prompt_idx]).to(device).repeat_interleave(N, 0)
-        # 2. generate with uniforms sliced from one global tensor keyed by (seed, step, round):
-        # a response is sampled alike on any number of ranks; the sampler's log-probs are pi_old's
+        # 2. generate with global uniforms (any rank count alike); its log-probs are pi_old's
         rng = np.random.default_rng([args.seed, step, round_, 2])
-        noise = rng.random((num_prompts * N, args.response_length), dtype=np.float32)
-        noise = torch.from_numpy(noise[rank * len(query) :][: len(query)]).to(device)
+        noise = local(rng.random((num_prompts, N, args.response_length), np.float32))
+        chunks = zip(query.split(local_batch_size), noise.flatten(0, 1).split(local_batch_size))
         with ctx:  # local_batch_size rows at a time: RSO's N candidates take no more memory
-            outs = [
-                gpt2.generate(policy, q, pad, args.response_length, eos, args.temperature, u)
-                for q, u in zip(query.split(local_batch_size), noise.split(local_batch_size))
-            ]
+            outs = [gpt2.generate(policy, q, *sampling, u) for q, u in chunks]
         out = gpt2.Rollout(query, *(torch.cat(x) for x in list(zip(*outs))[1:]))
         # 3. score: the verifier and/or the reward model, minus the missing-stop penalty
         stopped, scores = (out.response == eos).any(1), torch.zeros(len(query), device=device)
@@ -387,10 +366,10 @@ def main(args: Args):
             scores += overlong_penalty(out.mask.sum(1), *overlong)
         # DAPO's overlong filtering: a response that never stops is out of the loss
         mask = (out.mask & stopped[:, None] if args.mask_truncated else out.mask).float()
-        batch = dict(out._asdict(), mask=mask, scores=scores)
+        batch = dict(out._asdict(), response_mask=out.mask.float(), mask=mask, scores=scores)
         if args.rejection_sampling_candidates:  # RSO: keep G of the N, uniforms keyed as noise
-            u = np.random.default_rng([args.seed, step, round_, 4]).random((num_prompts, G, N))
-            u = torch.from_numpy(u[rank * local_prompts :][:local_prompts]).to(device)
+            rng = np.random.default_rng([args.seed, step, round_, 4])
+            u = local(rng.random((num_prompts, G, N)))
             keep, rounds = rso_select(scores.view(-1, N), G, args.rso_temperature, u)
             batch["rso_rounds"] = rounds.repeat_interleave(N)  # per response, for the metrics
             rows = (keep + N * torch.arange(local_prompts, device=device)[:, None]).flatten()
@@ -404,42 +383,40 @@ def main(args: Args):
         if use_verifier and args.eval_size and args.eval_samples:
             samples = (args.eval_samples, args.temperature, args.seed)
             metrics |= data.sampled_accuracy(policy, test, meta, *size, *samples)
-        if ref_pair_logps is not None:
+        if n_pairs:
             logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
             metrics["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_pair_logps)
         return metrics
 
-    start = state["step"]
+    show = ("objective/scores", "objective/kl", "eval/accuracy", "perf/episodes_per_sec")
     if start == 0 and (metrics := evaluate()):  # the starting point
-        log_metrics(args.out_dir, 0, metrics, SHOW)
+        log_metrics(args.out_dir, 0, metrics, show)
 
     # 4. training loop
-    aggregate = AGGREGATIONS[args.loss_aggregation]
     importance = IMPORTANCE_LEVELS[args.importance_level]
-    kl_estimate = functools.partial(kl_penalty, estimator=args.kl_estimator)
-    policy_loss, clip = LOSS_TYPES[args.loss_type], (args.clip_eps_low, args.clip_eps_high)
+    clip = dict(clip_low=args.clip_eps_low, clip_high=args.clip_eps_high, dual_clip=args.dual_clip)
+    surrogate = functools.partial(LOSS_TYPES[args.loss_type], **clip)
     entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
-    num_steps, t0, episodes = args.total_episodes // batch_size, time.time(), 0
+    num_steps, t0, t0_step = args.total_episodes // batch_size, time.time(), start
     for step in range(start, num_steps):
         done = step + 1
         eval_now = done % args.eval_every == 0 or done == num_steps
         log_now = done % args.log_every == 0 or step == start or eval_now
         # 4a. rollout (steps 1-3); DAPO's dynamic sampling repeats it and selects groups
         if args.dynamic_sampling:
-            rounds = functools.partial(rollout, step)
-            sampling = (num_prompts, G, args.max_sampling_rounds, rank, world_size)
-            batch, sampled = dynamic_sampling(rounds, *sampling)
+            sizes = (num_prompts, G, args.max_sampling_rounds, rank, world_size)
+            batch, sampled = dynamic_sampling(functools.partial(rollout, step), *sizes)
         else:
             batch = sampled = rollout(step, 0)
         query, response, mask = batch["query"], batch["response"], batch["mask"]
-        response_mask = gpt2.response_mask(response, eos)
+        response_mask = batch["response_mask"]  # every response token, stop included
 
         # 4b. log-probs under pi_ref (when there is one) and, if asked, pi_old's once more
         ref_logprobs, old_logprobs, scores = None, batch["logprobs"], batch["scores"]
         if ref_policy is not None:
             ref_logprobs = in_micro_batches(logprobs_of(ref_policy), query, response)
         if args.recompute_old_logprobs:
-            old_logprobs = in_micro_batches(logprobs_of(forward_model), query, response)
+            old_logprobs = in_micro_batches(logprobs_of(fwd_policy), query, response)
         if args.kl_in_reward and ref_logprobs is not None:
             scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
 
@@ -450,74 +427,58 @@ def main(args: Args):
             mean, mean_sq = all_reduce(moments) / batch_size
             advantages = ((advantages - mean) / ((mean_sq - mean**2).sqrt() + 1e-8)).float()
 
-        # 4d. update: num_epochs x num_minibatches optimizer steps; a minibatch takes the same share
-        # of every group, keyed by (seed, step, epoch) over the global batch: any rank count alike
+        # 4d. update: num_epochs x num_minibatches optimizer steps, each on a share of every group
         sums, grad_norms = {}, []
         for epoch, minibatch in np.ndindex(args.num_epochs, args.num_minibatches):
-            order = np.random.default_rng([args.seed, step, epoch, 3]).random((num_prompts, G))
-            order = order.argsort(1)[rank * local_prompts :][:local_prompts, minibatch * share :]
-            mb_idx = order[:, :share] + G * np.arange(local_prompts)[:, None]  # this rank's rows
-            mb_idx = torch.from_numpy(mb_idx).flatten().to(device)
-            weights, count = aggregate(mask[mb_idx])
+            u = local(np.random.default_rng([args.seed, step, epoch, 3]).random((num_prompts, G)))
+            order = u.argsort(1)[:, minibatch * share :][:, :share]  # a share of each group
+            mb_idx = (order + G * torch.arange(local_prompts, device=device)[:, None]).flatten()
+            weights, count = AGGREGATIONS[args.loss_aggregation](mask[mb_idx])
             weights = weights / all_reduce(count.float()).clamp(min=1)  # counted over all ranks
             micros = list(zip(mb_idx.split(micro_batch_size), weights.split(micro_batch_size)))
-            # on logging steps in the first epoch's passes, for a bonus in every pass
-            with_entropy = (log_now and epoch == 0) or entropy_in_loss
+            with_entropy = (log_now and epoch == 0) or entropy_in_loss  # to log, or for a bonus
             for micro, (idx, mb_weights) in enumerate(micros):
                 if dist.is_initialized():
                     policy.set_requires_gradient_sync(micro == len(micros) - 1)
                 with ctx:
-                    new_logprobs, entropy = gpt2.logprobs(
-                        forward_model, query[idx], response[idx], args.temperature, with_entropy
-                    )
+                    new_logprobs, entropy = forward(query[idx], response[idx], entropy=with_entropy)
                 mb_mask = mask[idx]
                 # the first minibatch is exactly on-policy: its pi_old is this forward's, detached
                 old = new_logprobs.detach() if epoch == minibatch == 0 else old_logprobs[idx]
                 logratio = torch.where(mb_mask.bool(), new_logprobs - old, 0.0)
-                pg_loss, ratio, clipped = policy_loss(
-                    importance(logratio, mb_mask), advantages[idx], *clip, args.dual_clip
-                )
+                pg_loss, ratio, clipped = surrogate(importance(logratio, mb_mask), advantages[idx])
                 stats = {"val/ratio": ratio, "val/ratio_var": ratio**2, "loss/policy_avg": pg_loss}
                 stats |= {"policy/approxkl_avg": 0.5 * logratio**2, "policy/clipfrac_avg": clipped}
                 loss = pg_loss
                 if ref_logprobs is not None and not args.kl_in_reward:
-                    kl = kl_estimate(new_logprobs, ref_logprobs[idx], old)
+                    kl = kl_penalty(new_logprobs, ref_logprobs[idx], old, args.kl_estimator)
                     loss, stats["loss/kl_avg"] = loss + args.beta * kl, kl
                 if entropy is not None and epoch == 0:  # x num_epochs: its token mean
                     stats["objective/entropy"] = entropy * args.num_epochs
                 if entropy_bonus:  # aggregated as the loss is
                     loss = loss - entropy_bonus * entropy
-                # FSDP2 averages gradients over ranks: times world_size, the global sum
-                ((loss * mb_weights).sum() * world_size).backward()
+                ((loss * mb_weights).sum() * world_size).backward()  # FSDP2 averages over ranks
                 for name, value in stats.items():
                     sums[name] = sums.get(name, 0) + (value.detach().double() * mb_mask).sum()
-            # the norm clip_grad_norm_ returns is the global one, before clipping
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             if not torch.isfinite(grad_norm):
-                raise RunError(
-                    f"non-finite loss or grad norm at step {done}: lower --lr; the last good "
-                    f"checkpoint is in {args.out_dir}/checkpoints (--resume)"
-                )
+                raise RunError(f"non-finite grad norm at step {done}: lower --lr (or --resume)")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(grad_norm)
+            grad_norms.append(grad_norm)  # the global norm, before clipping
 
-        # 4e. log: means over the global batch, each rank's share reduced at once (1 rank == N):
-        # the update's over the tokens in the loss, the rollout's over every response sampled
-        episodes += batch_size
+        # 4e. log means over the loss's tokens or every response sampled, of all ranks at once
         if log_now:
             tokens = all_reduce(mask.sum().double()).clamp(min=1) * args.num_epochs
             metrics = {name: value / tokens for name, value in sums.items()}
             n_sampled = len(sampled["scores"]) * world_size  # every round's responses
             metrics["objective/scores"] = sampled["scores"].sum() / n_sampled
-            lengths = gpt2.response_mask(sampled["response"], eos).sum(1)
-            metrics["objective/response_length"] = lengths.sum() / n_sampled
+            metrics["objective/response_length"] = sampled["response_mask"].sum() / n_sampled
             metrics["val/stop_frac"] = (sampled["response"] == eos).any(1).sum() / n_sampled
-            zero_std = zero_std_groups(sampled["scores"], G).sum()
+            zero_std = zero_std_groups(sampled["scores"], G).sum()  # dynamic sampling drops these
             metrics["objective/zero_std_frac"] = zero_std * G / n_sampled
-            if args.dynamic_sampling:  # the zero-variance groups sampled, none of them trained on
-                metrics["objective/dropped_groups"] = zero_std
+            metrics |= {"objective/dropped_groups": zero_std} if args.dynamic_sampling else {}
             if "rso_rounds" in sampled:
                 metrics["objective/rso_rounds"] = sampled["rso_rounds"].sum() / n_sampled
             if ref_logprobs is not None:  # KL(pi_old || pi_ref) per token: k3, whatever the loss's
@@ -527,12 +488,11 @@ def main(args: Args):
             metrics = dict(zip(metrics, values.tolist()))
             metrics["val/ratio_var"] -= metrics["val/ratio"] ** 2
             metrics["train/grad_norm"] = torch.stack(grad_norms).mean().item()
-            metrics["perf/episodes_per_sec"] = episodes / (time.time() - t0)
+            metrics["perf/episodes_per_sec"] = (done - t0_step) * batch_size / (time.time() - t0)
             if args.dynamic_sampling:
                 metrics["objective/sampling_rounds"] = n_sampled // batch_size
-            if entropy_in_loss:
-                metrics["policy/entropy_coef"] = entropy_bonus
-            log_metrics(args.out_dir, done, metrics | (evaluate() if eval_now else {}), SHOW)
+            metrics |= {"policy/entropy_coef": entropy_bonus} if entropy_in_loss else {}
+            log_metrics(args.out_dir, done, metrics | (evaluate() if eval_now else {}), show)
         if args.entropy_target is not None:  # the next step's coefficient, from this one's entropy
             h = all_reduce(torch.stack([sums["objective/entropy"], mask.sum().double()]))
             entropy = (h[0] / h[1].clamp(min=1)).item() / args.num_epochs
@@ -541,30 +501,20 @@ def main(args: Args):
         extra = dict(entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
         checkpoint(args, done, models, due=eval_now, extra=extra)  # also on SIGTERM, then stops
         if log_now:
-            t0, episodes = time.time(), 0  # the rate leaves out eval and checkpoint time
+            t0, t0_step = time.time(), done  # the rate leaves out eval and checkpoint time
 
     # 5. the final policy in the HF GPT-2 layout, where pipeline.py looks
     gpt2.save(policy, args.out_dir)
     finish_run(args, "grpo")
 
 
-SHOW = ("objective/scores", "objective/kl", "eval/accuracy", "perf/episodes_per_sec")
-
-
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
-# torchrun and FSDP2, the run directory, resumable checkpoints, metrics: not the algorithm.
+# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
 
 RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
 MASTER = os.environ.get("RANK", "0") == "0"
 SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
-LOCK = []  # the run dir's flock, released when the process ends, even when killed
-
-
-def exact_div(a, b, flags):
-    if b <= 0 or a % b:
-        raise RunError(f"{a} does not divide by {b}: change {flags}")
-    return a // b
 
 
 def setup_distributed():
@@ -582,25 +532,6 @@ def setup_distributed():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def shard(model, device, bf16, frozen=False):
-    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
-    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
-    if frozen:
-        model.eval().requires_grad_(False)
-    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
-        for m in model.transformer.h.modules():
-            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
-                m.to(torch.bfloat16)
-    if not dist.is_initialized():
-        return model.to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
-
-
 def all_reduce(x):
     """Sum over ranks, in place (a no-op in one process)."""
     if dist.is_initialized():
@@ -616,30 +547,26 @@ def start_run(args, algo):
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise RunError(problem[0])
-    if MASTER and args.wandb:
-        import wandb
-
-        wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    if MASTER and args.wandb:  # imported only when asked for
+        __import__("wandb").init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
     return out_dir
 
 
 def claim_run_dir(out_dir, args):
-    """None once this process holds out_dir (an flock), else what stops it."""
+    """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
     if args.resume and not args.out_dir:
         return "--resume needs --out_dir DIR: the run to continue"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
-    try:
-        os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
-        LOCK.append(open(f"{out_dir}/.lock", "w"))
-        fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return f"another run is writing to '{out_dir}': pass another --out_dir"
-    except OSError as e:
-        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
-    if not args.resume:  # a fresh run, or --overwrite
-        shutil.rmtree(f"{out_dir}/checkpoints")
-        os.makedirs(f"{out_dir}/checkpoints")
+    try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill
+        os.makedirs(out_dir, exist_ok=True)
+        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:  # BlockingIOError: another process holds the lock
+        why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
+        return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
+    if not args.resume:  # a fresh run, or --overwrite: no checkpoint of the old run is left
+        shutil.rmtree(f"{out_dir}/checkpoints", ignore_errors=True)
     open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
     with open(f"{out_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
@@ -647,19 +574,16 @@ def claim_run_dir(out_dir, args):
 
 
 def checkpoint(args, step, models, due, extra=None):
-    """Every step, on every rank: when due, or after a SIGTERM to any rank (then stop), write
-    checkpoints/step_N: models {name: (model, optimizer)} and `extra`, in a temp dir renamed."""
+    """Every rank, every step: save checkpoints/step_N when due or after a SIGTERM (then stop)."""
     device = next(next(iter(models.values()))[0].parameters()).device
     stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
     if not (due or stop):
         return
-    root, state = f"{args.out_dir}/checkpoints", dict(step=step, **(extra or {}))
-    for name, (model, optimizer) in models.items():
-        gpt2.save(model, f"{root}/.tmp/{name}")
-        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state[name] = dcp.get_optimizer_state_dict(model, optimizer, options=options)
+    root = f"{args.out_dir}/checkpoints"
+    for name, (model, optimizer) in models.items():  # the HF layout, and optimizer.pt
+        gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
     if MASTER:  # a save killed midway leaves .tmp, never a partial step_N
-        torch.save(state, f"{root}/.tmp/state.pt")
+        torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
         shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
         os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
         for old in sorted(glob.glob(f"{root}/step_*"))[: -args.keep_checkpoints]:
@@ -667,9 +591,7 @@ def checkpoint(args, step, models, due, extra=None):
     if dist.is_initialized():
         dist.barrier()
     if stop:
-        raise RunError(
-            f"SIGTERM: saved step {step}; continue with --resume --out_dir {args.out_dir}"
-        )
+        raise RunError(f"SIGTERM: saved step {step}; resume with --resume --out_dir {args.out_dir}")
 
 
 def load_checkpoint(out_dir, models):
@@ -677,7 +599,9 @@ def load_checkpoint(out_dir, models):
     box = [None]
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # safetensors and torch.load raise many kinds of error on a damaged file
-            [load_file(f"{path}/{name}/model.safetensors") for name in models]
+            for name in models:
+                load_file(f"{path}/{name}/model.safetensors")
+                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             box = [path]
             break
@@ -689,9 +613,7 @@ def load_checkpoint(out_dir, models):
         raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
     state = torch.load(f"{box[0]}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
-        gpt2.load_weights(model, f"{box[0]}/{name}")
-        options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
-        dcp.set_optimizer_state_dict(model, optimizer, state[name], options=options)
+        gpt2.load_weights(model, f"{box[0]}/{name}", optimizer)
     if MASTER:  # the rows a killed run logged after this checkpoint are logged again
         print(f"resumed from {box[0]} at step {state['step']}", flush=True)
         rows = open(f"{out_dir}/metrics.jsonl").readlines()

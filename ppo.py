@@ -41,7 +41,6 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -50,8 +49,6 @@ import torch
 import torch.distributed as dist
 import tyro
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import state_dict as dcp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
@@ -240,8 +237,22 @@ class AdamTF(torch.optim.Optimizer):
                 adam_tf_step(p, p.grad, m, v, beta1**t, beta2**t, lr, beta1, beta2, group["eps"])
 
 
-# ----------------------------------------------------------------------------------------------
-# main
+def shard(model, device, bf16, frozen=False):
+    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
+    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
+    if frozen:
+        model.eval().requires_grad_(False)
+    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
+        for m in model.transformer.h.modules():
+            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
+                m.to(torch.bfloat16)
+    if not dist.is_initialized():
+        return model.to(device)
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)  # on the default mesh: every rank
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    return fully_shard(model, mp_policy=fp32 if model.fp32_head else mp)
 
 
 def check_args(args):  # the flags' problems, found before any heavy work
@@ -258,13 +269,15 @@ def main(args: Args):
     # 1. sizes, distributed setup, seeds
     check_args(args)
     rank, world_size, device = setup_distributed()
-    local_batch_size = exact_div(args.batch_size, world_size, "--batch_size or the number of ranks")
-    local_mini_batch_size = exact_div(local_batch_size, args.num_minibatches, "--num_minibatches")
+    local_batch_size = data.exact_div(args.batch_size, world_size, "--batch_size or the ranks")
+    local_mini_batch_size = data.exact_div(
+        local_batch_size, args.num_minibatches, "--num_minibatches"
+    )
     micro_batch_size = min(args.micro_batch_size, local_mini_batch_size)
-    grad_accum = exact_div(local_mini_batch_size, micro_batch_size, "--micro_batch_size")
-    num_updates = exact_div(args.total_episodes, args.batch_size, "--total_episodes")
+    grad_accum = data.exact_div(local_mini_batch_size, micro_batch_size, "--micro_batch_size")
+    num_updates = data.exact_div(args.total_episodes, args.batch_size, "--total_episodes")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
     torch.manual_seed(args.seed)
 
     # 2. data
@@ -285,8 +298,7 @@ def main(args: Args):
     reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=frozen)
     value_model = gpt2.load(args.reward_model, meta, head="saved", shard=trained)
     context = min(policy.config.block_size, reward_model.config.block_size)
-    if prompts["query"].shape[1] + args.response_length > context:
-        raise RunError(f"prompt + --response_length exceed the models' {context} tokens: lower it")
+    data.check_context(prompts, context, args.response_length)
     if args.value_head == "zero":  # lm-human-preferences' value head: the first values are 0
         torch.nn.init.zeros_(value_model.score.weight)
         torch.nn.init.zeros_(value_model.score.bias)
@@ -299,11 +311,9 @@ def main(args: Args):
     fwd_policy, fwd_value = (torch.compile(m) if args.compile else m for m in (policy, value_model))
     models = {"policy": (policy, policy_opt), "value": (value_model, value_opt)}
     # eval/preference_accuracy's reference: the policy as loaded, before any --resume
-    pref, ref_pair_logps = None, None
-    if args.eval_size and data.has_split(args.data, "pref_test"):
-        pref = data.load_split(args.data, "pref_test")
-        n_pairs = min(args.eval_size, len(pref["query"]))
-        ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
+    pref = data.eval_split(args.data, "pref_test", args.eval_size)  # None where absent
+    n_pairs = len(pref["query"]) if pref else 0
+    ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
     state = load_checkpoint(args.out_dir, models) if args.resume else {"step": 0}
     start, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)
     # the entropy bonus: Skywork-OR1's coefficient, and the one applied (none until below target)
@@ -328,13 +338,20 @@ def main(args: Args):
                 sums[1] += sum(data.verify_batch(meta, response.tolist(), test["ground_truth"][j]))
         score, accuracy = (all_reduce(sums) / max(n, 1)).tolist()
         metrics = {"eval/score": score} | ({"eval/accuracy": accuracy} if meta.get("task") else {})
-        if ref_pair_logps is not None:
+        if n_pairs:
             logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
             metrics["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_pair_logps)
         return metrics
 
+    show = (
+        "objective/scores",
+        "objective/kl",
+        "policy/approxkl_avg",
+        "eval/accuracy",
+        "perf/episodes_per_sec",
+    )
     if start == 0 and args.eval_size > 0:  # the starting policy's numbers, to compare against
-        log_metrics(args.out_dir, 0, evaluate(), SHOW)
+        log_metrics(args.out_dir, 0, evaluate(), show)
 
     # 4. training loop: one permutation of the prompts per epoch, keyed by (seed, epoch); rank r
     # takes its slice of each global batch, so any number of ranks sees the same global batches
@@ -480,7 +497,7 @@ def main(args: Args):
             metrics["perf/episodes_per_sec"] = episodes / (time.time() - t0)
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
-            log_metrics(args.out_dir, done, metrics, SHOW)
+            log_metrics(args.out_dir, done, metrics, show)
             t0, episodes = time.time(), 0
         extra = dict(kl_coef=kl_coef, entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
         checkpoint(args, done, models, due=eval_now, extra=extra)
@@ -490,29 +507,13 @@ def main(args: Args):
     finish_run(args, "ppo")
 
 
-SHOW = (  # the status line
-    "objective/scores",
-    "objective/kl",
-    "policy/approxkl_avg",
-    "eval/accuracy",
-    "perf/episodes_per_sec",
-)
-
-
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
-# torchrun and FSDP2, the run directory, resumable checkpoints, metrics: not the algorithm.
+# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
 
 RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
 MASTER = os.environ.get("RANK", "0") == "0"
 SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
-LOCK = []  # the run dir's flock, released when the process ends, even when killed
-
-
-def exact_div(a, b, flags):
-    if b <= 0 or a % b:
-        raise RunError(f"{a} does not divide by {b}: change {flags}")
-    return a // b
 
 
 def setup_distributed():
@@ -530,25 +531,6 @@ def setup_distributed():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def shard(model, device, bf16, frozen=False):
-    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
-    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
-    if frozen:
-        model.eval().requires_grad_(False)
-    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
-        for m in model.transformer.h.modules():
-            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
-                m.to(torch.bfloat16)
-    if not dist.is_initialized():
-        return model.to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
-
-
 def all_reduce(x):
     """Sum over ranks, in place (a no-op in one process)."""
     if dist.is_initialized():
@@ -564,30 +546,26 @@ def start_run(args, algo):
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise RunError(problem[0])
-    if MASTER and args.wandb:
-        import wandb
-
-        wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    if MASTER and args.wandb:  # imported only when asked for
+        __import__("wandb").init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
     return out_dir
 
 
 def claim_run_dir(out_dir, args):
-    """None once this process holds out_dir (an flock), else what stops it."""
+    """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
     if args.resume and not args.out_dir:
         return "--resume needs --out_dir DIR: the run to continue"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
-    try:
-        os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
-        LOCK.append(open(f"{out_dir}/.lock", "w"))
-        fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return f"another run is writing to '{out_dir}': pass another --out_dir"
-    except OSError as e:
-        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
-    if not args.resume:  # a fresh run, or --overwrite
-        shutil.rmtree(f"{out_dir}/checkpoints")
-        os.makedirs(f"{out_dir}/checkpoints")
+    try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill
+        os.makedirs(out_dir, exist_ok=True)
+        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:  # BlockingIOError: another process holds the lock
+        why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
+        return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
+    if not args.resume:  # a fresh run, or --overwrite: no checkpoint of the old run is left
+        shutil.rmtree(f"{out_dir}/checkpoints", ignore_errors=True)
     open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
     with open(f"{out_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
@@ -595,19 +573,16 @@ def claim_run_dir(out_dir, args):
 
 
 def checkpoint(args, step, models, due, extra=None):
-    """Every step, on every rank: when due, or after a SIGTERM to any rank (then stop), write
-    checkpoints/step_N: models {name: (model, optimizer)} and `extra`, in a temp dir renamed."""
+    """Every rank, every step: save checkpoints/step_N when due or after a SIGTERM (then stop)."""
     device = next(next(iter(models.values()))[0].parameters()).device
     stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
     if not (due or stop):
         return
-    root, state = f"{args.out_dir}/checkpoints", dict(step=step, **(extra or {}))
-    for name, (model, optimizer) in models.items():
-        gpt2.save(model, f"{root}/.tmp/{name}")
-        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state[name] = dcp.get_optimizer_state_dict(model, optimizer, options=options)
+    root = f"{args.out_dir}/checkpoints"
+    for name, (model, optimizer) in models.items():  # the HF layout, and optimizer.pt
+        gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
     if MASTER:  # a save killed midway leaves .tmp, never a partial step_N
-        torch.save(state, f"{root}/.tmp/state.pt")
+        torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
         shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
         os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
         for old in sorted(glob.glob(f"{root}/step_*"))[: -args.keep_checkpoints]:
@@ -615,9 +590,7 @@ def checkpoint(args, step, models, due, extra=None):
     if dist.is_initialized():
         dist.barrier()
     if stop:
-        raise RunError(
-            f"SIGTERM: saved step {step}; continue with --resume --out_dir {args.out_dir}"
-        )
+        raise RunError(f"SIGTERM: saved step {step}; resume with --resume --out_dir {args.out_dir}")
 
 
 def load_checkpoint(out_dir, models):
@@ -625,7 +598,9 @@ def load_checkpoint(out_dir, models):
     box = [None]
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # safetensors and torch.load raise many kinds of error on a damaged file
-            [load_file(f"{path}/{name}/model.safetensors") for name in models]
+            for name in models:
+                load_file(f"{path}/{name}/model.safetensors")
+                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             box = [path]
             break
@@ -637,9 +612,7 @@ def load_checkpoint(out_dir, models):
         raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
     state = torch.load(f"{box[0]}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
-        gpt2.load_weights(model, f"{box[0]}/{name}")
-        options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
-        dcp.set_optimizer_state_dict(model, optimizer, state[name], options=options)
+        gpt2.load_weights(model, f"{box[0]}/{name}", optimizer)
     if MASTER:  # the rows a killed run logged after this checkpoint are logged again
         print(f"resumed from {box[0]} at step {state['step']}", flush=True)
         rows = open(f"{out_dir}/metrics.jsonl").readlines()

@@ -2,11 +2,10 @@
 
 Ziegler et al. 2019 (lm-human-preferences), Stiennon et al. 2020 and InstructGPT start the reward
 model from the SFT policy with a linear head read at the response's first stop token and train it
-with -log σ(r_chosen - r_rejected), here averaged over the global batch of pairs (the same step at
-any number of ranks), with an optional `--margin` and TRL's `--center_rewards_coef`. Then, as in
-lm-human-preferences, the rewards are normalised to mean 0 and std 1 on the policy's own samples at
-PPO's temperature (`--norm_temperature`); gain and bias go to config.json. Deviation: normalised
-after training only (lm-human-preferences can also normalise before).
+with -log σ(r_chosen - r_rejected), averaged over the global batch of pairs (the same step at any
+number of ranks), optionally with `--margin` and TRL's `--center_rewards_coef`. As in Ziegler et
+al., the rewards are then normalised to mean 0, std 1 on the policy's samples at PPO's temperature
+(`--norm_temperature`; gain and bias in config.json). Deviation: not also before training.
 
     python reward.py                                  # from runs/sft/latest (python sft.py)
     torchrun --nproc_per_node=2 reward.py             # the same run, FSDP2 over 2 ranks
@@ -26,7 +25,6 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -35,8 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import state_dict as dcp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
@@ -61,9 +57,7 @@ class Args:
     micro_batch_size: int = 32  # pairs per forward pass on one rank (2x sequences)
     max_train_pairs: int = 0  # train on the first N pref_train pairs only (0: all)
     margin: float = 0.0  # constant margin m in -log σ(r_chosen - r_rejected - m)
-    center_rewards_coef: float = (
-        0.0  # weight of (r_chosen + r_rejected)^2, centring rewards (TRL: 0.01)
-    )
+    center_rewards_coef: float = 0.0  # weight of (r_chosen + r_rejected)^2 in the loss (TRL: 0.01)
     norm_samples: int = 512  # policy samples that set the normalisation (0: gain 1, bias 0)
     norm_temperature: float = 0.7  # their sampling temperature: PPO's --temperature
     response_length: int = 16  # their max new tokens: PPO's --response_length
@@ -99,11 +93,9 @@ def pair_rewards(model, query, chosen, rejected, pad_token_id, eos_token_id, ctx
 def normalization(scores):
     """(gain, bias) that give scores (N,) mean 0 and std 1."""
     mean, std = scores.double().mean(), scores.double().std(correction=0)
-    if not std > 1e-8:
-        raise RunError(
-            f"the normalisation samples all score {mean:.4g}: train longer or pass --norm_samples 0"
-        )
-    return 1.0 / std.item(), -(mean / std).item()
+    if std > 1e-8:
+        return 1.0 / std.item(), -(mean / std).item()
+    raise RunError(f"the norm samples all score {mean:.4g}: train longer or pass --norm_samples 0")
 
 
 def lr_at(step, args):
@@ -111,16 +103,14 @@ def lr_at(step, args):
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
-    return args.lr * (
-        args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    )
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
 @torch.no_grad()
 def normalize(model, queries, args, meta, bf16, ctx):
-    """Set the model's gain and bias so that its rewards of the --model policy's answers to
-    --norm_samples of the queries (N, Tq), sampled at --norm_temperature, have mean 0 and std 1.
-    Rank r takes its share of one noise tensor keyed by the seed: N ranks sample as one."""
+    """Set the model's gain and bias: mean 0, std 1 over its rewards of the --model policy's answers
+    to --norm_samples queries (N, Tq) at --norm_temperature; ranks share one seeded noise tensor."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, length = args.norm_samples, args.response_length
     pad, eos = meta["pad_token_id"], meta["eos_token_id"]
@@ -130,32 +120,42 @@ def normalize(model, queries, args, meta, bf16, ctx):
     noise = torch.from_numpy(rng.random((n, length), dtype=np.float32)).to(device)
     torch.manual_seed(args.seed)  # `--model tiny`: the init the reward model's backbone had
     policy = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16, frozen=True))
+    raw, normed = torch.zeros(2, n, dtype=torch.float64, device=device)  # rank r fills its rows
+    model.eval()
     for i in data.progress(range(0, local, args.micro_batch_size), "normalisation", show=MASTER):
         rows = slice(rank * local + i, rank * local + min(i + args.micro_batch_size, local))
         query, temperature = torch.from_numpy(queries[rows]).to(device), args.norm_temperature
         with ctx:
             rollout = gpt2.generate(policy, query, pad, length, eos, temperature, noise[rows])
+            raw[rows] = gpt2.get_reward(model, rollout.query, rollout.response, pad, eos).double()
         rollouts.append((rows, rollout.query, rollout.response))
-
-    def scores():  # (N,): each rank scores its share, the all-reduce fills in the others'
-        out = torch.zeros(n, dtype=torch.float64, device=device)
-        for rows, query, response in rollouts:
-            with ctx:
-                out[rows] = gpt2.get_reward(model, query, response, pad, eos).double()
-        return all_reduce(out)
-
-    model.eval()
-    raw = scores()
-    model.reward_gain, model.reward_bias = normalization(raw)
-    normed = scores()  # scored again through the model: a check that gain and bias apply
+    model.reward_gain, model.reward_bias = normalization(all_reduce(raw))  # all ranks' rows
+    for rows, query, response in rollouts:  # scored again: a check that gain and bias apply
+        with ctx:
+            normed[rows] = gpt2.get_reward(model, query, response, pad, eos).double()
+    all_reduce(normed)
     model.train()
     moments = lambda x: (x.mean().item(), x.std(correction=0).item())
     names = ("norm/raw_mean", "norm/raw_std", "norm/gain", "norm/bias", "norm/mean", "norm/std")
     return dict(zip(names, (*moments(raw), model.reward_gain, model.reward_bias, *moments(normed))))
 
 
-# ----------------------------------------------------------------------------------------------
-# main
+def shard(model, device, bf16, frozen=False):
+    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
+    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
+    if frozen:
+        model.eval().requires_grad_(False)
+    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
+        for m in model.transformer.h.modules():
+            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
+                m.to(torch.bfloat16)
+    if not dist.is_initialized():
+        return model.to(device)
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)  # on the default mesh: every rank
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    return fully_shard(model, mp_policy=fp32 if model.fp32_head else mp)
 
 
 def main(args: Args):
@@ -163,12 +163,12 @@ def main(args: Args):
     if args.model == "runs/sft/latest" and not os.path.isdir(args.model):
         raise RunError("no SFT model at runs/sft/latest: run `python sft.py`, or pass --model")
     rank, world_size, device = setup_distributed()
-    local_batch_size = exact_div(args.batch_size, world_size, "--batch_size or the number of ranks")
+    local_batch_size = data.exact_div(args.batch_size, world_size, "--batch_size or the ranks")
     micro_batch_size = min(args.micro_batch_size, local_batch_size)
-    grad_accum = exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
-    exact_div(args.norm_samples, world_size, "--norm_samples or the number of ranks")
+    grad_accum = data.exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
+    data.exact_div(args.norm_samples, world_size, "--norm_samples or the ranks")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
     torch.manual_seed(args.seed)  # the score head's init (and a `tiny` backbone's)
 
     # 2. data
@@ -178,16 +178,12 @@ def main(args: Args):
     n_train = min(args.max_train_pairs or n_train, n_train)
     if n_train < args.batch_size:
         raise RunError(f"{n_train} training pairs (--max_train_pairs) are fewer than --batch_size")
-
-    def pairs(split, idx):  # [query, chosen, rejected] (B, T) of rows idx, on the device
-        return [torch.from_numpy(split[k][idx]).to(device) for k in ("query", "chosen", "rejected")]
+    train_lengths = data.response_lengths(train, n_train, eos).to(device)  # (n, 2), for tokens/s
 
     # 3. run directory, the reward model (the SFT backbone, a fresh head), optimizer
     args.out_dir = start_run(args, "reward")
     model = gpt2.load(args.model, meta, head="new", shard=lambda m: shard(m, device, bf16))
-    width = max(train["chosen"].shape[1], train["rejected"].shape[1], args.response_length)
-    if train["query"].shape[1] + width > model.config.block_size:
-        raise RunError("prompt + response (or --response_length) exceed the model's context")
+    data.check_context(train, model.config.block_size, args.response_length)
     model.activation_checkpointing = args.activation_checkpointing
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -198,7 +194,8 @@ def main(args: Args):
     start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
 
     def pair_sums(model, split, idx):  # (4,): summed loss, correct pairs, r_chosen, r_rejected
-        r_chosen, r_rejected = pair_rewards(model, *pairs(split, idx), pad, eos, ctx)
+        batch = data.split_tensors(split, idx, device)  # query, chosen, rejected
+        r_chosen, r_rejected = pair_rewards(model, *batch, pad, eos, ctx)
         loss = preference_loss(r_chosen, r_rejected, args.margin, args.center_rewards_coef).sum()
         return torch.stack([loss, (r_chosen > r_rejected).sum(), r_chosen.sum(), r_rejected.sum()])
 
@@ -213,10 +210,9 @@ def main(args: Args):
         loss, correct = all_reduce(sums)[:2].tolist()
         return {"eval/loss": loss / max(n, 1), "eval/accuracy": correct / max(n, 1)}
 
-    # 4. training loop: one permutation of the pairs per epoch, keyed by (seed, epoch); rank r takes
-    # its slice of each global batch, so any number of ranks sees the same batches
+    # 4. training loop: rank r takes its slice of each step's global batch (data.batch_indices)
     t0, tokens = time.time(), torch.zeros((), device=device)
-    model.train()
+    show = ("train/loss", "train/accuracy", "eval/accuracy", "norm/gain", "perf/tokens_per_sec")
     for step in range(start, args.total_steps):
         batch_idx = data.batch_indices(args.seed, step, n_train, args.batch_size)
         local_idx = batch_idx[rank * local_batch_size :][:local_batch_size]
@@ -224,48 +220,34 @@ def main(args: Args):
             group["lr"] = lr_at(step, args)
         # 4a. the loss over micro-batches; FSDP2 reduces the gradients on the last one
         sums = torch.zeros(4, device=device)  # loss, correct pairs, r_chosen, r_rejected
-        for micro in range(grad_accum):
+        for micro, mb_idx in enumerate(np.split(local_idx, grad_accum)):
             if dist.is_initialized():
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
-            mb_idx = local_idx[micro * micro_batch_size :][:micro_batch_size]
             mb_sums = pair_sums(forward_model, train, mb_idx)
-            # the mean over the global batch; FSDP2 averages gradients over ranks: times world_size
-            (mb_sums[0] * world_size / args.batch_size).backward()
+            (mb_sums[0] * world_size / args.batch_size).backward()  # FSDP2 averages over ranks
             sums += mb_sums.detach()
-        query, chosen, rejected = pairs(train, local_idx)
-        n_response = gpt2.response_mask(chosen, eos).sum() + gpt2.response_mask(rejected, eos).sum()
-        tokens += 2 * (query != pad).sum() + n_response  # each prompt runs twice
+        tokens += train_lengths[local_idx].sum() + 2 * int((train["query"][local_idx] != pad).sum())
         # 4b. clip (the returned norm is the global one, before clipping) and step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        done = step + 1
         loss, accuracy, chosen, rejected = (all_reduce(sums) / args.batch_size).tolist()
         if not math.isfinite(loss) or not torch.isfinite(grad_norm):
-            raise RunError(
-                f"non-finite loss or grad norm at step {step + 1}: lower --lr; the last good "
-                f"checkpoint is in {args.out_dir}/checkpoints (--resume)"
-            )
+            raise RunError(f"non-finite loss or grad norm at step {done}: lower --lr (or --resume)")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
         # 4c. log, evaluate (raw scores); after the last step, normalise on the policy's samples
-        done = step + 1
         eval_now = done % args.eval_every == 0 or done == args.total_steps
         if done % args.log_every == 0 or step == start or eval_now:
-            metrics = {
-                "train/loss": loss,
-                "train/accuracy": accuracy,
-                "rewards/chosen": chosen,
-                "rewards/rejected": rejected,
-                "rewards/margins": chosen - rejected,
-                "train/grad_norm": grad_norm.item(),
-                "train/lr": lr_at(step, args),
-                "perf/tokens_per_sec": all_reduce(tokens).item() / (time.time() - t0),
-            }
-            if eval_now and args.eval_size > 0:
-                metrics |= evaluate()
+            metrics = {"train/loss": loss, "train/accuracy": accuracy, "rewards/chosen": chosen}
+            metrics |= {"rewards/rejected": rejected, "rewards/margins": chosen - rejected}
+            metrics |= {"train/grad_norm": grad_norm.item(), "train/lr": lr_at(step, args)}
+            metrics["perf/tokens_per_sec"] = all_reduce(tokens).item() / (time.time() - t0)
+            metrics |= evaluate() if eval_now and args.eval_size > 0 else {}
             if done == args.total_steps and args.norm_samples > 0:
                 metrics |= normalize(model, train["query"][:n_train], args, meta, bf16, ctx)
-            log_metrics(args.out_dir, done, metrics, SHOW)
+            log_metrics(args.out_dir, done, metrics, show)
             t0, tokens = time.time(), torch.zeros((), device=device)
         checkpoint(args, done, models, due=eval_now)
 
@@ -274,23 +256,13 @@ def main(args: Args):
     finish_run(args, "reward")
 
 
-SHOW = ("train/loss", "train/accuracy", "eval/accuracy", "norm/gain", "perf/tokens_per_sec")
-
-
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
-# torchrun and FSDP2, the run directory, resumable checkpoints, metrics: not the algorithm.
+# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
 
 RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
 MASTER = os.environ.get("RANK", "0") == "0"
 SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
-LOCK = []  # the run dir's flock, released when the process ends, even when killed
-
-
-def exact_div(a, b, flags):
-    if b <= 0 or a % b:
-        raise RunError(f"{a} does not divide by {b}: change {flags}")
-    return a // b
 
 
 def setup_distributed():
@@ -308,25 +280,6 @@ def setup_distributed():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def shard(model, device, bf16, frozen=False):
-    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
-    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
-    if frozen:
-        model.eval().requires_grad_(False)
-    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
-        for m in model.transformer.h.modules():
-            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
-                m.to(torch.bfloat16)
-    if not dist.is_initialized():
-        return model.to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
-
-
 def all_reduce(x):
     """Sum over ranks, in place (a no-op in one process)."""
     if dist.is_initialized():
@@ -342,30 +295,26 @@ def start_run(args, algo):
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise RunError(problem[0])
-    if MASTER and args.wandb:
-        import wandb
-
-        wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    if MASTER and args.wandb:  # imported only when asked for
+        __import__("wandb").init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
     return out_dir
 
 
 def claim_run_dir(out_dir, args):
-    """None once this process holds out_dir (an flock), else what stops it."""
+    """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
     if args.resume and not args.out_dir:
         return "--resume needs --out_dir DIR: the run to continue"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
-    try:
-        os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
-        LOCK.append(open(f"{out_dir}/.lock", "w"))
-        fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return f"another run is writing to '{out_dir}': pass another --out_dir"
-    except OSError as e:
-        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
-    if not args.resume:  # a fresh run, or --overwrite
-        shutil.rmtree(f"{out_dir}/checkpoints")
-        os.makedirs(f"{out_dir}/checkpoints")
+    try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill
+        os.makedirs(out_dir, exist_ok=True)
+        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:  # BlockingIOError: another process holds the lock
+        why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
+        return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
+    if not args.resume:  # a fresh run, or --overwrite: no checkpoint of the old run is left
+        shutil.rmtree(f"{out_dir}/checkpoints", ignore_errors=True)
     open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
     with open(f"{out_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
@@ -373,19 +322,16 @@ def claim_run_dir(out_dir, args):
 
 
 def checkpoint(args, step, models, due, extra=None):
-    """Every step, on every rank: when due, or after a SIGTERM to any rank (then stop), write
-    checkpoints/step_N: models {name: (model, optimizer)} and `extra`, in a temp dir renamed."""
+    """Every rank, every step: save checkpoints/step_N when due or after a SIGTERM (then stop)."""
     device = next(next(iter(models.values()))[0].parameters()).device
     stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
     if not (due or stop):
         return
-    root, state = f"{args.out_dir}/checkpoints", dict(step=step, **(extra or {}))
-    for name, (model, optimizer) in models.items():
-        gpt2.save(model, f"{root}/.tmp/{name}")
-        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state[name] = dcp.get_optimizer_state_dict(model, optimizer, options=options)
+    root = f"{args.out_dir}/checkpoints"
+    for name, (model, optimizer) in models.items():  # the HF layout, and optimizer.pt
+        gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
     if MASTER:  # a save killed midway leaves .tmp, never a partial step_N
-        torch.save(state, f"{root}/.tmp/state.pt")
+        torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
         shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
         os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
         for old in sorted(glob.glob(f"{root}/step_*"))[: -args.keep_checkpoints]:
@@ -393,9 +339,7 @@ def checkpoint(args, step, models, due, extra=None):
     if dist.is_initialized():
         dist.barrier()
     if stop:
-        raise RunError(
-            f"SIGTERM: saved step {step}; continue with --resume --out_dir {args.out_dir}"
-        )
+        raise RunError(f"SIGTERM: saved step {step}; resume with --resume --out_dir {args.out_dir}")
 
 
 def load_checkpoint(out_dir, models):
@@ -403,7 +347,9 @@ def load_checkpoint(out_dir, models):
     box = [None]
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # safetensors and torch.load raise many kinds of error on a damaged file
-            [load_file(f"{path}/{name}/model.safetensors") for name in models]
+            for name in models:
+                load_file(f"{path}/{name}/model.safetensors")
+                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             box = [path]
             break
@@ -415,9 +361,7 @@ def load_checkpoint(out_dir, models):
         raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
     state = torch.load(f"{box[0]}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
-        gpt2.load_weights(model, f"{box[0]}/{name}")
-        options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
-        dcp.set_optimizer_state_dict(model, optimizer, state[name], options=options)
+        gpt2.load_weights(model, f"{box[0]}/{name}", optimizer)
     if MASTER:  # the rows a killed run logged after this checkpoint are logged again
         print(f"resumed from {box[0]} at step {state['step']}", flush=True)
         rows = open(f"{out_dir}/metrics.jsonl").readlines()

@@ -4,17 +4,15 @@ Stiennon et al. 2020 ("Learning to summarize from human feedback") and Ouyang et
 (InstructGPT) start RLHF from a policy fine-tuned with next-token cross-entropy on demonstrations.
 The loss is on the response tokens only, up to and including the stop token, so that the model
 learns to stop. It is normalised by the response tokens of the whole global batch, so that 1 rank
-and N ranks, and any micro-batch split, make the same update. Eval, from step 0: the loss on
-sft_test, greedy accuracy on prompt_test (with a verifier) and preference accuracy on pref_test
-(where prepped): the implicit reward log π/π_ref against the starting model, ties counted half.
+and N ranks, and any micro-batch split, make the same update. Eval from step 0 (docs/metrics.md):
+the loss, greedy accuracy and the implicit reward's preference accuracy, where the data has them.
 
     python sft.py                                    # tiny GPT-2 from scratch, offline arithmetic
     torchrun --nproc_per_node=2 sft.py               # the same run, FSDP2 over 2 ranks
     python sft.py --model gpt2 --data runs/data/gsm8k --lr 1e-5   # pretrained GPT-2, prepped data
     python sft.py --resume --out_dir runs/sft/<run>  # continue a run from its last checkpoint
 
-A run writes runs/sft/<time>-s<seed>/ (the model in the HF safetensors layout, checkpoints,
-args.json, metrics.jsonl); runs/sft/latest links the last finished one, where the next stages look.
+A run writes runs/sft/<time>-s<seed>/; runs/sft/latest, the next stages' input, links the last one.
 """
 
 import atexit
@@ -28,15 +26,12 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 import tyro
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import state_dict as dcp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
@@ -78,9 +73,7 @@ def sft_loss_sums(model, query, response, ctx):
     """Summed NLL of the response tokens (to and including the stop token), and their count."""
     with ctx:
         logprobs = gpt2.logprobs(model, query, response)[0]  # (B, Tr), 0 past the stop token
-    mask = gpt2.response_mask(response, model.config.eos_token_id)  # (B, Tr)
-    nll = -logprobs * mask
-    return nll.sum(), mask.sum()
+    return -logprobs.sum(), gpt2.response_mask(response, model.config.eos_token_id).sum()
 
 
 def lr_at(step, args):
@@ -88,44 +81,54 @@ def lr_at(step, args):
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
-    return args.lr * (
-        args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    )
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
-# ----------------------------------------------------------------------------------------------
-# main
+def shard(model, device, bf16, frozen=False):
+    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
+    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
+    if frozen:
+        model.eval().requires_grad_(False)
+    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
+        for m in model.transformer.h.modules():
+            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
+                m.to(torch.bfloat16)
+    if not dist.is_initialized():
+        return model.to(device)
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)  # on the default mesh: every rank
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    return fully_shard(model, mp_policy=fp32 if model.fp32_head else mp)
 
 
 def main(args: Args):
     # 1. sizes, distributed setup, seeds
     rank, world_size, device = setup_distributed()
-    local_batch_size = exact_div(args.batch_size, world_size, "--batch_size or the number of ranks")
+    local_batch_size = data.exact_div(args.batch_size, world_size, "--batch_size or the ranks")
     micro_batch_size = min(args.micro_batch_size, local_batch_size)
-    grad_accum = exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
+    grad_accum = data.exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
     torch.manual_seed(args.seed)
 
     # 2. data, and the held-out preference pairs where the dataset has them
     meta = data.load_meta(args.data)
     train, test = data.load_split(args.data, "sft_train"), data.load_split(args.data, "sft_test")
     prompts = data.load_split(args.data, "prompt_test") if meta.get("task") else None
-    has_pairs = data.has_split(args.data, "pref_test")
-    pairs = data.load_split(args.data, "pref_test") if has_pairs else None
+    pairs = data.eval_split(args.data, "pref_test", args.eval_size)  # None where absent
     pad, eos, n_train = meta["pad_token_id"], meta["eos_token_id"], len(train["query"])
     n_test = min(args.eval_size, len(test["query"]))
     test_tokens = data.response_lengths(test, n_test, eos, data.RESPONSE).sum().item()
-    n_pairs = min(args.eval_size, len(pairs["query"])) if has_pairs else 0
+    n_pairs = len(pairs["query"]) if pairs else 0
     if n_train < args.batch_size:
         raise RunError(f"sft_train has {n_train} examples: lower --batch_size {args.batch_size}")
 
     # 3. run directory, model, optimizer
     args.out_dir = start_run(args, "sft")
     model = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
-    length = train["query"].shape[1] + train["response"].shape[1]
-    if length > model.config.block_size:
-        raise RunError(f"prompt + response ({length} tokens) exceed the context: prep shorter")
+    data.check_context(train, model.config.block_size)
     model.activation_checkpointing = args.activation_checkpointing
     decay = [p for p in model.parameters() if p.dim() >= 2]  # not biases and LayerNorms
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -150,8 +153,9 @@ def main(args: Args):
             )
         return out
 
+    show = ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_sec")
     if start == 0 and args.eval_size > 0:  # the starting model
-        log_metrics(args.out_dir, 0, evaluate(), SHOW)
+        log_metrics(args.out_dir, 0, evaluate(), show)
 
     # 4. training loop: one permutation of the data per epoch, keyed by (seed, epoch); rank r takes
     # its slice of each global batch, so any number of ranks sees the same global batches
@@ -195,7 +199,7 @@ def main(args: Args):
             }
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
-            log_metrics(args.out_dir, done, metrics, SHOW)
+            log_metrics(args.out_dir, done, metrics, show)
             t0, tokens = time.time(), torch.zeros((), device=device)
         checkpoint(args, done, models, due=eval_now)
 
@@ -204,23 +208,13 @@ def main(args: Args):
     finish_run(args, "sft")
 
 
-SHOW = ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_sec")  # the status line
-
-
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
-# torchrun and FSDP2, the run directory, resumable checkpoints, metrics: not the algorithm.
+# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
 
 RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
 MASTER = os.environ.get("RANK", "0") == "0"
 SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
-LOCK = []  # the run dir's flock, released when the process ends, even when killed
-
-
-def exact_div(a, b, flags):
-    if b <= 0 or a % b:
-        raise RunError(f"{a} does not divide by {b}: change {flags}")
-    return a // b
 
 
 def setup_distributed():
@@ -238,25 +232,6 @@ def setup_distributed():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def shard(model, device, bf16, frozen=False):
-    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
-    (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
-    if frozen:
-        model.eval().requires_grad_(False)
-    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
-        for m in model.transformer.h.modules():
-            if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
-                m.to(torch.bfloat16)
-    if not dist.is_initialized():
-        return model.to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=fp32 if model.fp32_head else mp)
-
-
 def all_reduce(x):
     """Sum over ranks, in place (a no-op in one process)."""
     if dist.is_initialized():
@@ -272,30 +247,26 @@ def start_run(args, algo):
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise RunError(problem[0])
-    if MASTER and args.wandb:
-        import wandb
-
-        wandb.init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
+    if MASTER and args.wandb:  # imported only when asked for
+        __import__("wandb").init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
     return out_dir
 
 
 def claim_run_dir(out_dir, args):
-    """None once this process holds out_dir (an flock), else what stops it."""
+    """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
     if args.resume and not args.out_dir:
         return "--resume needs --out_dir DIR: the run to continue"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
-    try:
-        os.makedirs(f"{out_dir}/checkpoints", exist_ok=True)
-        LOCK.append(open(f"{out_dir}/.lock", "w"))
-        fcntl.flock(LOCK[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return f"another run is writing to '{out_dir}': pass another --out_dir"
-    except OSError as e:
-        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
-    if not args.resume:  # a fresh run, or --overwrite
-        shutil.rmtree(f"{out_dir}/checkpoints")
-        os.makedirs(f"{out_dir}/checkpoints")
+    try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill
+        os.makedirs(out_dir, exist_ok=True)
+        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:  # BlockingIOError: another process holds the lock
+        why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
+        return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
+    if not args.resume:  # a fresh run, or --overwrite: no checkpoint of the old run is left
+        shutil.rmtree(f"{out_dir}/checkpoints", ignore_errors=True)
     open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
     with open(f"{out_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
@@ -303,19 +274,16 @@ def claim_run_dir(out_dir, args):
 
 
 def checkpoint(args, step, models, due, extra=None):
-    """Every step, on every rank: when due, or after a SIGTERM to any rank (then stop), write
-    checkpoints/step_N: models {name: (model, optimizer)} and `extra`, in a temp dir renamed."""
+    """Every rank, every step: save checkpoints/step_N when due or after a SIGTERM (then stop)."""
     device = next(next(iter(models.values()))[0].parameters()).device
     stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
     if not (due or stop):
         return
-    root, state = f"{args.out_dir}/checkpoints", dict(step=step, **(extra or {}))
-    for name, (model, optimizer) in models.items():
-        gpt2.save(model, f"{root}/.tmp/{name}")
-        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state[name] = dcp.get_optimizer_state_dict(model, optimizer, options=options)
+    root = f"{args.out_dir}/checkpoints"
+    for name, (model, optimizer) in models.items():  # the HF layout, and optimizer.pt
+        gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
     if MASTER:  # a save killed midway leaves .tmp, never a partial step_N
-        torch.save(state, f"{root}/.tmp/state.pt")
+        torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
         shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
         os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
         for old in sorted(glob.glob(f"{root}/step_*"))[: -args.keep_checkpoints]:
@@ -323,9 +291,7 @@ def checkpoint(args, step, models, due, extra=None):
     if dist.is_initialized():
         dist.barrier()
     if stop:
-        raise RunError(
-            f"SIGTERM: saved step {step}; continue with --resume --out_dir {args.out_dir}"
-        )
+        raise RunError(f"SIGTERM: saved step {step}; resume with --resume --out_dir {args.out_dir}")
 
 
 def load_checkpoint(out_dir, models):
@@ -333,7 +299,9 @@ def load_checkpoint(out_dir, models):
     box = [None]
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # safetensors and torch.load raise many kinds of error on a damaged file
-            [load_file(f"{path}/{name}/model.safetensors") for name in models]
+            for name in models:
+                load_file(f"{path}/{name}/model.safetensors")
+                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             box = [path]
             break
@@ -345,9 +313,7 @@ def load_checkpoint(out_dir, models):
         raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
     state = torch.load(f"{box[0]}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
-        gpt2.load_weights(model, f"{box[0]}/{name}")
-        options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
-        dcp.set_optimizer_state_dict(model, optimizer, state[name], options=options)
+        gpt2.load_weights(model, f"{box[0]}/{name}", optimizer)
     if MASTER:  # the rows a killed run logged after this checkpoint are logged again
         print(f"resumed from {box[0]} at step {state['step']}", flush=True)
         rows = open(f"{out_dir}/metrics.jsonl").readlines()
