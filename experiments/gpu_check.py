@@ -31,6 +31,7 @@ status 1 when an item fails.
 """
 
 import atexit
+import glob
 import json
 import math
 import os
@@ -440,7 +441,8 @@ def item_resume(ctx):
         first = ctx.dir("resume", f"{script}_1gpu")
         run(ctx, f"resume/{script}_1gpu", launch(script, [*flags, "--out_dir", first]))
         step2 = os.path.join(first, "checkpoints", "step_00000002")
-        state = torch.load(os.path.join(step2, "state.pt"), "cpu", weights_only=True)
+        files = glob.glob(os.path.join(step2, "**", "*.pt"), recursive=True)  # state, optimizers
+        state = [torch.load(f, "cpu", weights_only=True) for f in files]
         res = {"cpu_only": all(t.device.type == "cpu" for t in tensors_in(state))}
         targets = [("2gpus", 2, {})] if ctx.gpus >= 2 else []
         for name, nproc, env in targets + [("cpu", 0, {"CUDA_VISIBLE_DEVICES": ""})]:

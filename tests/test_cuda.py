@@ -73,8 +73,9 @@ def test_a_gpu_checkpoint_resumes_on_cpu(sft_model, tmp_path):
     """A checkpoint written on a GPU resumes on the CPU: it holds CPU tensors only."""
     common = ["--model", sft_model, "--total_steps", "4", "--eval_every", "2", "--eval_size", "0"]
     run("dpo", ["--out_dir", str(tmp_path), *common, "--total_steps", "2"])
-    state = torch.load(tmp_path / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
-    tensors = [v for group in state["policy"]["state"].values() for v in group.values()]
+    step2 = tmp_path / "checkpoints" / "step_00000002"
+    state = torch.load(step2 / "policy" / "optimizer.pt", weights_only=True)
+    tensors = [v for group in state["state"].values() for v in group.values()]
     assert tensors and all(t.device.type == "cpu" for t in tensors if torch.is_tensor(t))
     cpu = dict(ENV, CUDA_VISIBLE_DEVICES="")
     p = subprocess.run(
