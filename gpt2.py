@@ -401,13 +401,13 @@ def save(model, out_dir, optimizer=None):
 
 
 def load_weights(model, path, optimizer=None):
-    """Load what `save` wrote (into a model of the same shape, plain or FSDP2-sharded)."""
+    """Load what `save` wrote, plain or FSDP2; optimizer.pt mmapped, so a node shares its pages."""
     tensors, config = _read(path)
     state = {k: tensors[TIED.get(k, k)] for k in model.state_dict()}
     options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
     dcp.set_model_state_dict(model, state, options=options)
     if optimizer:
-        optim = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+        optim = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True, mmap=True)
         dcp.set_optimizer_state_dict(model, optimizer, optim, options=options)
     if isinstance(model, ScalarModel):
         model.reward_gain, model.reward_bias = config["reward_gain"], config["reward_bias"]
