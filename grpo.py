@@ -523,11 +523,11 @@ def setup_distributed():
     signal.signal(signal.SIGTERM, lambda *_: SIGTERM.append(True))
     cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if "RANK" in os.environ:
+    if "RANK" in os.environ:  # nccl bound to this GPU (or barrier() warns); 2 h for rank 0's saves
         if cuda:
             torch.cuda.set_device(device)
-        # a long save on rank 0 must not time out the other ranks' wait
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
+        backend = dict(backend="nccl", device_id=device) if cuda else dict(backend="gloo")
+        dist.init_process_group(**backend, timeout=datetime.timedelta(hours=2))
         atexit.register(dist.destroy_process_group)
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 

@@ -176,3 +176,24 @@ def test_sigterm_to_one_rank_saves_once_on_every_rank_and_stops(script, stage_mo
     saved = sorted(os.listdir(tmp_path / "checkpoints"))
     assert len(saved) == 1 and saved[0].startswith("step_"), saved
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values())  # no rank left behind
+
+
+def test_nccl_process_group_is_bound_to_the_local_gpu(monkeypatch):
+    """On CUDA the process group gets device_id = this rank's GPU: without it every barrier() under
+    torchrun warns (seen on an H200, docs/gpu.md). The plumbing is identical in the five scripts
+    (test_copies), so sft.py's stands for all; CUDA and the process group are stubbed."""
+    import sft
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set", device)))
+    init = lambda *args, **kw: calls.append(("init", dict(zip(["backend"], args)) | kw))
+    monkeypatch.setattr(sft.dist, "init_process_group", init)
+    monkeypatch.setattr(sft.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(sft.signal, "signal", lambda *a: None)
+    for key, value in dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4").items():
+        monkeypatch.setenv(key, value)
+    assert sft.setup_distributed() == (3, 4, torch.device("cuda", 1))
+    (_, device), (_, init) = calls
+    assert device == torch.device("cuda", 1)
+    assert init["backend"] == "nccl" and init.get("device_id") == torch.device("cuda", 1), init
