@@ -98,7 +98,8 @@ NOTES = dict(  # printed above each section's table
     prompts="one forward + backward of a step's rows (logits from the last prompt position on, as "
     "the scripts): the last token left out (as the scripts) or kept; small-weight GEMMs on oneDNN "
     "from ONEDNN_MIN_ROWS rows on (as gpt2.py) or always on MKL",
-    cuda="GPT-2 124M, sft.py-like bf16 training step; MFU = (6 N + 12 L C T) tokens / s / peak",
+    cuda="GPT-2 124M, sft.py's bf16 training step, the LM head in fp32 (default), TF32 or bf16; "
+    "MFU = (6 N + 12 L C T) tokens / s / peak",
 )
 
 
@@ -239,8 +240,11 @@ def markdown(rows: list[dict]) -> str:
             return str(v)
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r.values()) + " |" for r in rows])
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # every row's, in order; "–" if absent
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(
+        lines + ["| " + " | ".join(fmt(r.get(k, "–")) for k in keys) + " |" for r in rows]
+    )
 
 
 def model_pair(preset: str, seed: int, device):
@@ -644,9 +648,13 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+HEADS = ("fp32", "tf32", "bf16")  # the LM head's GEMM: gpt2.py's default, TF32 tensor cores, bf16
+
+
 def bench_cuda(args: Args, device, sync) -> list[dict]:
-    """GPT-2 124M: an sft.py-like bf16 training step (autocast, AdamW, clipping) → MFU; a rollout →
-    tokens/s."""
+    """GPT-2 124M: sft.py's bf16 training step (its loss through gpt2.logprobs, autocast, AdamW,
+    clipping) with the LM head's GEMM in each of HEADS, turn about → MFU of each; a rollout →
+    tokens/s (the default head)."""
     B, T = parse_shape(args.mfu_shape, 2, "mfu_shape")
     Bq, Tq, n = parse_shape(args.rollout_shape, 3, "rollout_shape")
     torch.manual_seed(args.seed)
@@ -654,18 +662,27 @@ def bench_cuda(args: Args, device, sync) -> list[dict]:
     cfg, ctx = model.config, torch.autocast(device.type, dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     forward_model = torch.compile(model) if args.compile else model
-    idx = torch.randint(0, cfg.vocab_size, (B, T), device=device)
+    # one prompt token and T response tokens, none the stop token (the last id): T positions
+    idx = torch.randint(0, cfg.vocab_size - 1, (B, T + 1), device=device)
 
-    def train_step():
-        with ctx:
-            logits = forward_model(idx)  # (B, T, V)
-        F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def train_step(head):
+        def step():
+            model.fp32_head = head != "bf16"
+            torch.backends.cuda.matmul.allow_tf32 = head == "tf32"
+            with ctx:
+                logprobs = gpt2.logprobs(forward_model, idx[:, :1], idx[:, 1:])[0]  # (B, T)
+            (-logprobs.mean()).backward()  # sft.py's loss, per token
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-    train_step()  # a second warmup: the first allocates the optimizer state (and compiles)
-    sec = interleaved({"train": train_step}, args.repeats, args.min_time, sync)[0]["train"]
+        return step
+
+    fns = {head: train_step(head) for head in HEADS}
+    for fn in fns.values():  # a second warmup: the first allocates the optimizer state (compiles)
+        fn()
+    secs, _, times = interleaved(fns, args.repeats, args.min_time, sync)
+    model.fp32_head, torch.backends.cuda.matmul.allow_tf32 = gpt2.FP32_HEAD, False
     # nanoGPT's estimate (PaLM appendix B): 6 N per token for the matmuls (N without wpe; wte counts
     # as lm_head) + 12 L C T for attention scores and mixing
     n_params = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
@@ -679,11 +696,15 @@ def bench_cuda(args: Args, device, sync) -> list[dict]:
             gpt2.generate(model, query, pad, n, None, temperature=1.0)
 
     gen_sec = interleaved({"rollout": rollout}, args.repeats, args.min_time, sync)[0]["rollout"]
-    row = {"train B x T": f"{B}x{T}", "compiled": args.compile, "step ms": sec * 1e3}
-    row["train tok/s"] = B * T / sec
-    row["MFU"] = f"{flops / sec / args.peak_flops:.1%} of {args.peak_flops:.3g}"
-    row["rollout B x (prompt+new)"] = f"{Bq}x({Tq}+{n})"
-    return show([row | {"rollout tok/s": Bq * n / gen_sec}])
+    rows = []
+    for head in HEADS:
+        row = {"LM head": head, "train B x T": f"{B}x{T}", "compiled": args.compile}
+        row |= {"step ms": secs[head] * 1e3, "train tok/s": B * T / secs[head]}
+        row["MFU"] = f"{flops / secs[head] / args.peak_flops:.1%} of {args.peak_flops:.3g}"
+        row |= speedup(times, head, "fp32", "vs fp32 head") if head != "fp32" else {}
+        rows.append(row)
+    rows[0] |= {"rollout B x (prompt+new)": f"{Bq}x({Tq}+{n})", "rollout tok/s": Bq * n / gen_sec}
+    return show(rows)
 
 
 def main(args: Args):

@@ -18,10 +18,18 @@ Items (`--items` picks some; a failed item is reported and the next one runs):
              micro-batch 8 (random init, synthetic data), and the largest preset each one fits
   profile    gpt2.generate under FSDP2 in torch.profiler: FSDP hook calls and host syncs per token
              and their share of the time, against a generation that does not gather once
+  tests      the test suite (pytest -v, spread over --test_workers by pytest-xdist if installed):
+             tests/conftest.py hides the GPUs from every test but tests/test_cuda.py, so a second
+             run with CUDA_VISIBLE_DEVICES= would differ only in test_cuda.py's skips
 
     python experiments/gpu_check.py                          # everything, every GPU count
     python experiments/gpu_check.py --items attention,parity # some items
     python experiments/gpu_check.py --device cpu             # a dry run of every item on CPU
+    python experiments/gpu_check.py --jobs 3 --deadline 500  # a 15-minute lease: one call
+
+--jobs N runs the timed items (speed, profile) first and alone, then the others side by side in N
+groups, each a child gpu_check with its own folder under --out. --deadline stops every run at that
+many seconds from the start; the report is written after each item, so what finished is kept.
 
 Without CUDA (and without --device cpu) it says so, runs the attention item's CPU sanity check (the
 math kernel against gpt2.py's choice, a small model) and stops. --device cpu runs every item's code
@@ -32,12 +40,15 @@ status 1 when an item fails.
 
 import atexit
 import glob
+import importlib.util
 import json
 import math
 import os
+import re
 import resource
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -60,7 +71,10 @@ sys.path.insert(0, ROOT)  # gpt2.py and data/ live at the repository root
 import data  # noqa: E402
 import gpt2  # noqa: E402
 
-ITEMS = ("smoke", "attention", "parity", "ranks", "resume", "speed", "memory", "profile")
+ITEMS = ("smoke", "attention", "parity", "ranks", "resume", "speed", "memory", "profile", "tests")
+TIMED = ("speed", "profile")  # measured with nothing else on the GPU: first, alone, under --jobs
+# rough seconds of each item on one H200 (docs/gpu.md): --jobs balances its groups by them
+COST = dict(smoke=240, attention=10, parity=200, ranks=300, resume=250, memory=600, tests=500)
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
 PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the fit search's order
 # dense bf16 peak FLOP/s by device name, the first match wins (for bench.py's MFU)
@@ -71,7 +85,8 @@ PEAK_FLOPS += [("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12)]
 @dataclass
 class Args:
     items: str = ",".join(ITEMS)
-    """comma-separated items: smoke, attention, parity, ranks, resume, speed, memory, profile"""
+    """comma-separated items: smoke, attention, parity, ranks, resume, speed, memory, profile,
+    tests"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """`auto`: CUDA if there is one, else only the CPU sanity check; `cpu`: a dry run of every item
     on CPU (gloo ranks for GPUs, tiny shapes)"""
@@ -98,6 +113,12 @@ class Args:
     """memory: also find the largest preset each script fits at micro-batch 8"""
     timeout: int = 3600
     """seconds any one subprocess may run"""
+    deadline: int = 0
+    """seconds from the start after which no run starts and running ones are stopped (0: none)"""
+    jobs: int = 1
+    """groups of untimed items run side by side, after the timed ones (speed, profile) ran alone"""
+    test_workers: int = 6
+    """tests: pytest-xdist workers (when pytest-xdist is installed)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,6 +137,7 @@ class Ctx:
     out: str
     env: dict
     device: torch.device
+    end: float = math.inf  # time.time() of --deadline
     stage: dict = field(default_factory=dict)  # the SFT and reward models of the short runs
 
     def dir(self, *parts):
@@ -134,20 +156,34 @@ def launch(script, flags, nproc=0):
 
 
 def run(ctx, name, cmd, env=None, cwd=ROOT, check=True):
-    """Run cmd, its output kept in out/logs/<name>.log: (return code, output); check: raise."""
+    """Run cmd, its output kept in out/logs/<name>.log: (return code, output); check: raise. It
+    is stopped, with every process it started, at --timeout or --deadline."""
     log = os.path.join(ctx.out, "logs", name.replace("/", "_") + ".log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
+    timeout = min(ctx.args.timeout, ctx.end - time.time())
+    if timeout <= 0:
+        raise Failed(f"{name}: not run, --deadline reached")
     t0, env = time.time(), ctx.env | (env or {})
-    try:
-        p = subprocess.run(
-            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=ctx.args.timeout
-        )
-        rc, output = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        output = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {ctx.args.timeout} s"
-        rc = 124
-    with open(log, "w") as f:
-        f.write(f"$ {' '.join(cmd)}\n{output}")
+    with open(log, "w") as f:  # streamed: a run stopped midway leaves what it printed
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        p = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )  # its own group: torchrun's ranks too
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            rc = p.wait()
+            f.write(f"\ntimed out after {timeout:.0f} s\n")
+            rc = 124
+    output = open(log).read().split("\n", 1)[-1]
     print(f"  {'ok  ' if rc == 0 else 'FAIL'} {name} ({time.time() - t0:.0f} s)", flush=True)
     if check and rc:
         raise Failed(f"{name} exited {rc}: {last_line(output)} (log: {log})")
@@ -464,13 +500,14 @@ def item_resume(ctx):
 
 
 def item_speed(ctx):
-    """bench.py's cuda, forward and generate sections at GPT-2 124M: MFU and ours / HF sampling."""
+    """bench.py's cuda (eager, then compiled), forward and generate sections at GPT-2 124M: sft.py's
+    MFU with each LM head and ours / HF sampling."""
     path = os.path.join(ctx.out, "bench.json")
     if ctx.cuda:
         gpu = torch.cuda.get_device_name()
         peak = next((f for key, f in PEAK_FLOPS if key in gpu), None)
         flags = ["--sections", "cuda,forward,generate", "--presets", "gpt2"]
-        flags += ["--peak_flops", peak] if peak else []
+        flags += ["--peak_flops", f"{peak:.4g}"] if peak else []
     else:  # the dry run: the tiny preset, one turn
         flags = ["--sections", "forward,generate", "--presets", "tiny", "--repeats", 1]
         flags += ["--min_time", 0.01]
@@ -480,14 +517,21 @@ def item_speed(ctx):
     lines = [f"`python experiments/bench.py {' '.join(map(str, flags))}`", ""]
     ok, values = True, {}
     if ctx.cuda:
-        row = results["cuda"][0]
+        compiled = [*flags[:1], "cuda", *flags[4:], "--compile", "--out", path + ".compiled"]
+        run(ctx, "speed/bench_compiled", launch("experiments/bench", compiled))
+        results["cuda"] += json.load(open(path + ".compiled"))["cuda"]
+        lines[1:1] = [f"`python experiments/bench.py {' '.join(map(str, compiled[:-2]))}`"]
+        row = results["cuda"][0]  # the default: fp32 head, eager
         mfu = values["mfu_percent"] = float(row["MFU"].split("%")[0])
         ok &= mfu >= 45
         unknown = "" if peak else " (this GPU's peak FLOP/s unknown: bench.py's H100 figure)"
         lines.append(
-            f"- sft-like step, GPT-2 124M bf16, {row['train B x T']}: MFU {row['MFU']}{unknown}, "
-            f"{row['train tok/s']:,.0f} tokens/s (target >= 45%)"
+            f"- sft.py's step, GPT-2 124M bf16, {row['train B x T']}{unknown} (target >= 45%):"
         )
+        for r in results["cuda"]:
+            how = f"{r['LM head']} head, {'compiled' if r['compiled'] else 'eager'}"
+            values[f"mfu {how}"] = r["MFU"]
+            lines.append(f"  - {how}: MFU {r['MFU']}, {r['train tok/s']:,.0f} tokens/s")
         lines.append(
             f"- rollout {row['rollout B x (prompt+new)']}: {row['rollout tok/s']:,.0f} tok/s"
         )
@@ -623,6 +667,7 @@ def item_profile(ctx):
     """torch.profiler over gpt2.generate under FSDP2 on min(2, N) GPUs (a child under torchrun)."""
     k, preset = min(2, ctx.gpus), "gpt2" if ctx.cuda else "tiny"
     path = os.path.join(ctx.out, "work", "profile.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # run first, no other item made work/
     child = ["--child", "profile", path, preset]
     run(ctx, "profile/generate", launch(os.path.abspath(__file__), child, k))
     with open(path) as f:
@@ -640,6 +685,30 @@ def item_profile(ctx):
         "share: CPU time in FSDP::* ranges or in item()/syncs over the profiled call's wall"
     )
     return None, lines, res
+
+
+def item_tests(ctx):
+    """The suite, every test's outcome streamed to the log (-v), so a run that the deadline stops
+    still reports the tests that finished."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests"]
+    xdist = importlib.util.find_spec("xdist") is not None and ctx.args.test_workers > 1
+    cmd += ["-n", str(ctx.args.test_workers)] if xdist else []
+    rc, output = run(ctx, "tests/pytest", cmd, check=False)
+    outcomes = {}
+    for line in output.splitlines():
+        test = re.search(r"(tests/\S+::\S+)", line)
+        word = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", line)
+        if test and word:
+            outcomes[test.group(1)] = word.group(1)
+    total = re.search(r"(?:collected|\[)\s*(\d+) items", output)
+    counts = {w: list(outcomes.values()).count(w) for w in sorted(set(outcomes.values()))}
+    shown = ", ".join(f"{n} {w.lower()}" for w, n in counts.items()) or "no test finished"
+    left = int(total.group(1)) - len(outcomes) if total else 0
+    lines = [
+        f"`python {' '.join(cmd[1:])}`: exit {rc}; {shown}" + (f"; {left} not run" if left else "")
+    ]
+    lines += [f"- {w}: {t}" for t, w in outcomes.items() if w in ("FAILED", "ERROR")]
+    return rc == 0, lines, dict(rc=rc, outcomes=outcomes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,7 +814,68 @@ def child_profile(path, preset):
 # main: the items in turn, then one report
 
 
+def run_item(ctx, item):
+    """One item: its report entry (status, seconds, lines, values), printed as it ends."""
+    print(f"\n== {item}", flush=True)
+    t0 = time.time()
+    try:
+        passed, lines, values = globals()[f"item_{item}"](ctx)
+    except Failed as e:
+        passed, lines, values = False, [f"FAILED: {e}"], {}
+    except Exception:  # a crash in the check itself: reported, and the next item runs
+        passed, lines, values = False, ["ERROR", *traceback.format_exc().splitlines()[-8:]], {}
+    status = {True: "PASS", False: "FAIL", None: "MEASURED"}[passed]
+    status = "SKIPPED" if lines[0].endswith("skipped") else status
+    status = "NOT RUN" if "--deadline reached" in lines[0] else status
+    torch.cuda.empty_cache()  # what an item left cached would shrink the next one's GPU
+    print("\n".join(lines), flush=True)
+    return dict(status=status, seconds=round(time.time() - t0), lines=lines, values=values)
+
+
+def run_groups(ctx, items):
+    """--jobs: items in groups balanced by COST, each group a child gpu_check in out/<group>,
+    side by side; their report entries, in the order of items."""
+    groups = [[] for _ in range(min(ctx.args.jobs, len(items)))]
+    for item in sorted(items, key=lambda i: -COST[i]):  # the longest first, to the lightest group
+        min(groups, key=lambda g: sum(COST[i] for i in g)).append(item)
+    children = []
+    for group in groups:
+        out = os.path.join(ctx.out, "_".join(group))
+        left = 0 if ctx.end == math.inf else max(1, int(ctx.end - time.time()))
+        args = asdict(ctx.args) | dict(items=",".join(group), out=out, jobs=1, deadline=left)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "items", json.dumps(args)]
+        log = open(os.path.join(ctx.out, "logs", f"{'_'.join(group)}.log"), "w")
+        print(f"  started {','.join(group)} (log: {log.name})", flush=True)
+        children.append((group, out, subprocess.Popen(cmd, env=ctx.env, stdout=log, stderr=log)))
+    entries = {}
+    for group, out, child in children:
+        child.wait()  # each child stops its own runs at the deadline
+        path = os.path.join(out, "report.json")
+        done = json.load(open(path))["items"] if os.path.isfile(path) else {}
+        for item in group:
+            entries[item] = done.get(item) or dict(
+                status="FAIL", seconds=0, lines=[f"FAILED: no report (log: {out})"], values={}
+            )
+            print(f"\n== {item} (in {out})\n" + "\n".join(entries[item]["lines"]), flush=True)
+    return {item: entries[item] for item in items}
+
+
+def write_report(out, head, args, report):
+    """report.md and report.json in out: written after every item, so a stopped run keeps them."""
+    md = [f"# {head}", "", f"`{' '.join(sys.argv)}`", ""]
+    for item, r in report.items():
+        md += [f"## {item}: {r['status']} ({r['seconds']} s)", "", *r["lines"], ""]
+    rows = [[i, r["status"], r["seconds"]] for i, r in report.items()]
+    md += ["## summary", "", *table(["item", "status", "seconds"], rows)]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(dict(head=head, args=asdict(args), items=report), f, indent=2, default=str)
+    return md[-len(rows) - 2 :]
+
+
 def main(args: Args):
+    t_start = time.time()
     items = args.items.split(",")
     if set(items) - set(ITEMS):
         unknown = sorted(set(items) - set(ITEMS))
@@ -760,12 +890,13 @@ def main(args: Args):
     gpus = min(gpus, args.max_gpus or gpus)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(args.out or os.path.join(ROOT, "runs", "gpu_check", stamp))
-    os.makedirs(out, exist_ok=True)
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     threads = os.environ.get("OMP_NUM_THREADS", "4" if cuda else "1")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads)
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    ctx = Ctx(args, cuda, gpus, out, env, torch.device("cuda" if cuda else "cpu"))
+    end = t_start + args.deadline if args.deadline > 0 else math.inf
+    ctx = Ctx(args, cuda, gpus, out, env, torch.device("cuda" if cuda else "cpu"), end)
     machine = f"{os.cpu_count()} CPU cores" + (
         f", {gpus} gloo ranks as GPUs" if not cuda and args.device == "cpu" else ""
     )
@@ -774,41 +905,25 @@ def main(args: Args):
     commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
     head = f"gpu_check: {machine}; torch {torch.__version__}; commit {commit}"
     print(f"{head}\n`{' '.join(sys.argv)}`", flush=True)
+    alone = items if args.jobs <= 1 else [i for i in items if i in TIMED]
     report = {}
-    for item in items:
-        print(f"\n== {item}", flush=True)
-        t0 = time.time()
-        try:
-            passed, lines, values = globals()[f"item_{item}"](ctx)
-        except Failed as e:
-            passed, lines, values = False, [f"FAILED: {e}"], {}
-        except Exception:  # a crash in the check itself: reported, and the next item runs
-            passed, lines, values = False, ["ERROR", *traceback.format_exc().splitlines()[-8:]], {}
-        status = {True: "PASS", False: "FAIL", None: "MEASURED"}[passed]
-        status = "SKIPPED" if lines[0].endswith("skipped") else status
-        seconds = round(time.time() - t0)
-        torch.cuda.empty_cache()  # what an item left cached would shrink the next one's GPU
-        report[item] = dict(status=status, seconds=seconds, lines=lines, values=values)
-        print("\n".join(lines), flush=True)
-    md = [f"# {head}", "", f"`{' '.join(sys.argv)}`", ""]
-    for item, r in report.items():
-        md += [f"## {item}: {r['status']} ({r['seconds']} s)", "", *r["lines"], ""]
-    summary = table(
-        ["item", "status", "seconds"], [[i, r["status"], r["seconds"]] for i, r in report.items()]
-    )  # noqa: E501
-    md += ["## summary", "", *summary]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(dict(head=head, args=asdict(args), items=report), f, indent=2, default=str)
-    print("\n## summary\n\n" + "\n".join(summary) + f"\n\nwritten to {out}/report.md and .json")
+    for item in alone:
+        report[item] = run_item(ctx, item)
+        write_report(out, head, args, report)
+    if len(alone) < len(items):
+        report |= run_groups(ctx, [i for i in items if i not in alone])
+    report = {item: report[item] for item in items}
+    summary = write_report(out, head, args, report)
+    print("\n" + "\n".join(summary) + f"\n\nwritten to {out}/report.md and .json")
     sys.exit(1 if any(r["status"] == "FAIL" for r in report.values()) else 0)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:  # what the memory and profile items start under torchrun
+    if sys.argv[1:2] == ["--child"]:  # what memory, profile (under torchrun) and --jobs start
         if sys.argv[2] == "peak":
             child_peak(sys.argv[3], sys.argv[4], sys.argv[5:])
+        elif sys.argv[2] == "items":  # a group of --jobs, with the parent's Args
+            main(Args(**json.loads(sys.argv[3])))
         else:
             child_profile(*sys.argv[3:])
     else:
