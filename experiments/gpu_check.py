@@ -157,7 +157,7 @@ def launch(script, flags, nproc=0):
 
 def run(ctx, name, cmd, env=None, cwd=ROOT, check=True):
     """Run cmd, its output kept in out/logs/<name>.log: (return code, output); check: raise. It
-    is stopped, with every process it started, at --timeout or --deadline."""
+    is killed, with every process it started, at --timeout or --deadline."""
     log = os.path.join(ctx.out, "logs", name.replace("/", "_") + ".log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
     timeout = min(ctx.args.timeout, ctx.end - time.time())
@@ -167,27 +167,38 @@ def run(ctx, name, cmd, env=None, cwd=ROOT, check=True):
     with open(log, "w") as f:  # streamed: a run stopped midway leaves what it printed
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        p = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )  # its own group: torchrun's ranks too
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=f)
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            rc = p.wait()
+            for pid in [p.pid, *descendants(p.pid)]:  # torchrun's ranks too
+                os.kill(pid, signal.SIGKILL)
+            p.wait()
             f.write(f"\ntimed out after {timeout:.0f} s\n")
             rc = 124
-    output = open(log).read().split("\n", 1)[-1]
+    with open(log) as f:
+        output = f.read().split("\n", 1)[-1]  # less the command line
     print(f"  {'ok  ' if rc == 0 else 'FAIL'} {name} ({time.time() - t0:.0f} s)", flush=True)
     if check and rc:
         raise Failed(f"{name} exited {rc}: {last_line(output)} (log: {log})")
     return rc, output
+
+
+def descendants(pid):
+    """The processes below pid, read from /proc (torchrun starts its ranks in their own sessions,
+    out of reach of a process-group kill)."""
+    children = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            ppid = int(open(stat).read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    below, todo = [], list(children.get(pid, []))
+    while todo:
+        below.append(todo.pop())
+        todo += children.get(below[-1], [])
+    return below
 
 
 def last_line(output):
