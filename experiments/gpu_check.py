@@ -863,7 +863,12 @@ def run_groups(ctx, items):
         children.append((group, out, subprocess.Popen(cmd, env=ctx.env, stdout=log, stderr=log)))
     entries = {}
     for group, out, child in children:
-        child.wait()  # each child stops its own runs at the deadline
+        try:  # each child stops its own runs at the deadline; one that hangs is killed later
+            child.wait(timeout=max(1, ctx.end - time.time() + 60) if ctx.end < math.inf else None)
+        except subprocess.TimeoutExpired:
+            for pid in [child.pid, *descendants(child.pid)]:
+                os.kill(pid, signal.SIGKILL)
+            child.wait()
         path = os.path.join(out, "report.json")
         done = json.load(open(path))["items"] if os.path.isfile(path) else {}
         for item in group:
