@@ -73,7 +73,7 @@ import gpt2  # noqa: E402
 
 ITEMS = ("smoke", "attention", "parity", "ranks", "resume", "speed", "memory", "profile", "tests")
 TIMED = ("speed", "profile")  # measured with nothing else on the GPU: first, alone, under --jobs
-# rough seconds of each item on one H200 (docs/gpu.md): --jobs balances its groups by them
+# each item's rough relative cost: --jobs balances its groups by them
 COST = dict(smoke=240, attention=10, parity=200, ranks=300, resume=250, memory=600, tests=500)
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
 PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the fit search's order
