@@ -259,6 +259,13 @@ def check_args(args):
         raise RunError("--total_episodes is less than one step's responses")
 
 
+def all_reduce(x):
+    """Sum over ranks, in place: the global batch's sums (a no-op in one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
 def shard(model, device, bf16, frozen=False):
     """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
     (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
@@ -532,13 +539,6 @@ def setup_distributed():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
 
 
-def all_reduce(x):
-    """Sum over ranks, in place (a no-op in one process)."""
-    if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-
 def start_run(args, algo):
     """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
     out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
@@ -560,8 +560,7 @@ def claim_run_dir(out_dir, args):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill
         os.makedirs(out_dir, exist_ok=True)
-        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(os.open(f"{out_dir}/.lock", os.O_CREAT), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:  # BlockingIOError: another process holds the lock
         why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
         return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
