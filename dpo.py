@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
@@ -386,10 +386,10 @@ def load_checkpoint(out_dir, models):
     """--resume: the newest checkpoint rank 0 can read, loaded by all ranks at any world size."""
     box = [None]
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
-        try:  # safetensors and torch.load raise many kinds of error on a damaged file
+        try:  # headers and zip directories only: a truncated file fails there, in any of many ways
             for name in models:
-                load_file(f"{path}/{name}/model.safetensors")
-                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True)
+                safe_open(f"{path}/{name}/model.safetensors", "pt")
+                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             box = [path]
             break

@@ -130,5 +130,29 @@ def test_sharded_load_equals_plain_load(tmp_path):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"{case} {rank}")
 
 
+def test_resume_checks_checkpoints_by_their_headers_not_a_full_read(tmp_path, monkeypatch):
+    """--resume: rank 0 checks the checkpoints newest first by their headers and zip directories,
+    where a truncated file fails; reading them whole would hold the optimizer state once more."""
+    import sft
+
+    model = gpt2.load("tiny", META)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # Adam's moments: optimizer.pt is twice the weights
+    for step in (1, 2):
+        gpt2.save(model, str(tmp_path / f"checkpoints/step_{step:08d}/model"), optimizer)
+        torch.save({"step": step}, tmp_path / f"checkpoints/step_{step:08d}/state.pt")
+    (tmp_path / "checkpoints/step_00000002/model/optimizer.pt").write_bytes(b"PK")  # truncated
+    (tmp_path / "metrics.jsonl").write_text("")
+    reads, load = [], torch.load
+    record = lambda f, **kw: reads.append((Path(f).name, kw.get("mmap"))) or load(f, **kw)
+    monkeypatch.setattr(torch, "load", record)
+    monkeypatch.setattr(gpt2, "load_weights", lambda model, path, optimizer: reads.append(path))
+    assert sft.load_checkpoint(str(tmp_path), {"model": (model, optimizer)})["step"] == 1
+    checks = reads[: reads.index(str(tmp_path / "checkpoints/step_00000001/model"))]
+    assert [r for r in checks if r[0] == "optimizer.pt"] == [("optimizer.pt", True)] * 2, reads
+
+
 if __name__ == "__main__":
     dict(peak=peak_logits_tensors, shard=shard_worker)[sys.argv[1]](sys.argv[2])
