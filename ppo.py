@@ -593,7 +593,7 @@ def checkpoint(args, step, models, due, extra=None):
 
 
 def load_checkpoint(out_dir, models):
-    """--resume: the newest checkpoint rank 0 can read, loaded by all ranks at any world size."""
+    """--resume: the newest checkpoint whose files open on rank 0, loaded at any world size."""
     box = [None]
     for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
         try:  # headers and zip directories only: a truncated file fails there, in any of many ways
