@@ -285,18 +285,9 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
         and "resumed from" in p.stdout
         and "step_00000002" in p.stdout
     )
-    assert [m["step"] for m in metrics(tmp_path)] == [
-        0,
-        1,
-        2,
-        3,
-        4,
-        5,
-        6,
-    ]  # rows after step 2 were logged again
-    for ckpt in (
-        tmp_path / "checkpoints"
-    ).iterdir():  # now every checkpoint damaged: a one-line error
+    steps = [m["step"] for m in metrics(tmp_path)]
+    assert steps == [0, 1, 2, 3, 4, 5, 6]  # the rows after step 2 were logged again
+    for ckpt in (tmp_path / "checkpoints").iterdir():  # now every one damaged: a one-line error
         (ckpt / "state.pt").write_bytes(b"")
     p = run(["--total_steps", "8", "--resume", *common], check=False)
     assert (
