@@ -560,7 +560,8 @@ def claim_run_dir(out_dir, args):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill
         os.makedirs(out_dir, exist_ok=True)
-        fcntl.flock(os.open(f"{out_dir}/.lock", os.O_CREAT), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)  # NFS locks need write access
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:  # BlockingIOError: another process holds the lock
         why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
         return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
