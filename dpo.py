@@ -307,7 +307,6 @@ def main(args: Args):
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
 # torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
-
 RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
 MASTER = os.environ.get("RANK", "0") == "0"
 SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
@@ -354,8 +353,10 @@ def claim_run_dir(out_dir, args):
     except OSError as e:  # BlockingIOError: another process holds the lock
         why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
         return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
-    if not args.resume:  # a fresh run, or --overwrite: no checkpoint of the old run is left
+    if not args.resume:  # a fresh run, or --overwrite: nothing of the old run is left
         shutil.rmtree(f"{out_dir}/checkpoints", ignore_errors=True)
+        for old in glob.glob(f"{out_dir}/model.safetensors") + glob.glob(f"{out_dir}/config.json"):
+            os.remove(old)  # its final model: a later stage must not load it under the new args
     open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
     with open(f"{out_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
@@ -364,9 +365,8 @@ def claim_run_dir(out_dir, args):
 
 def checkpoint(args, step, models, due, extra=None):
     """Every rank, every step: save checkpoints/step_N when due or after a SIGTERM (then stop)."""
-    device = next(next(iter(models.values()))[0].parameters()).device
-    stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0
-    if not (due or stop):
+    sigterm = torch.tensor([len(SIGTERM)], device="cuda" if torch.cuda.is_available() else "cpu")
+    if not (due or all_reduce(sigterm).item()):  # a SIGTERM to any rank stops every rank
         return
     root = f"{args.out_dir}/checkpoints"
     for name, (model, optimizer) in models.items():  # the HF layout, and optimizer.pt
@@ -379,7 +379,7 @@ def checkpoint(args, step, models, due, extra=None):
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()
-    if stop:
+    if sigterm.item():
         raise RunError(f"SIGTERM: saved step {step}; resume with --resume --out_dir {args.out_dir}")
 
 

@@ -236,6 +236,15 @@ def test_rerun_into_a_finished_run_needs_resume_or_overwrite(tmp_path):
         assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4]
 
 
+def test_overwrite_leaves_nothing_of_the_old_run_even_when_the_new_one_stops(tmp_path):
+    common = ["--out_dir", str(tmp_path), "--total_steps", "2", "--eval_every", "2", *SMALL]
+    run(common)
+    p = run([*common, "--overwrite", "--lr", "1e12"], check=False)  # stops at its NaN loss
+    assert p.returncode == 1 and "non-finite loss" in p.stderr, p.stderr
+    # a later stage pointed at this dir must not load the old run's model under the new args
+    assert sorted(f.name for f in tmp_path.iterdir()) == [".lock", "args.json", "metrics.jsonl"]
+
+
 def test_default_run_dirs_are_fresh_and_latest_links_the_last_finished(tmp_path):
     sft = str(ROOT / "sft.py")
     common = ["--total_steps", "2", "--eval_every", "2", *SMALL]
