@@ -100,7 +100,7 @@ class Args:
     eval_every: int = 16  # updates between evals and checkpoints
     eval_size: int = 500  # held-out prompts for the greedy eval score and accuracy (0: no eval)
     log_every: int = 4  # updates between status lines and metrics rows
-    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints
+    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (at least 1)
     dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
     compile: bool = False  # torch.compile the policy's and the value model's training forwards
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
@@ -585,7 +585,7 @@ def checkpoint(args, step, models, due, extra=None):
         torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
         shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
         os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
-        for old in sorted(glob.glob(f"{root}/step_*"))[: -args.keep_checkpoints]:
+        for old in sorted(glob.glob(f"{root}/step_*"))[: -max(1, args.keep_checkpoints)]:
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()
@@ -615,9 +615,9 @@ def load_checkpoint(out_dir, models):
         gpt2.load_weights(model, f"{box[0]}/{name}", optimizer)
     if MASTER:  # the rows a killed run logged after this checkpoint are logged again
         print(f"resumed from {box[0]} at step {state['step']}", flush=True)
-        rows = open(f"{out_dir}/metrics.jsonl").readlines()
-        with open(f"{out_dir}/metrics.jsonl", "w") as f:
-            f.writelines(r for r in rows if json.loads(r)["step"] <= state["step"])
+        rows = open(f"{out_dir}/metrics.jsonl", "rb").readlines()  # in step order
+        kept = sum(len(row) for row in rows if json.loads(row)["step"] <= state["step"])
+        os.truncate(f"{out_dir}/metrics.jsonl", kept)  # one call: a kill leaves every row or these
     return state
 
 
@@ -635,8 +635,8 @@ def log_metrics(out_dir, step, metrics, show):
 def finish_run(args, algo):
     """After the final save: runs/<algo>/latest, where the next stage looks, points at this run."""
     if MASTER and os.path.dirname(args.out_dir) == f"runs/{algo}":
-        os.symlink(os.path.basename(args.out_dir), f"runs/{algo}/latest.tmp")
-        os.replace(f"runs/{algo}/latest.tmp", f"runs/{algo}/latest")
+        os.symlink(os.path.basename(args.out_dir), f"runs/{algo}/.latest.{os.getpid()}")
+        os.replace(f"runs/{algo}/.latest.{os.getpid()}", f"runs/{algo}/latest")  # no run shares it
     if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].finish()
     if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it

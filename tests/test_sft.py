@@ -306,6 +306,13 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     ), p.stderr
 
 
+def test_keep_checkpoints_0_keeps_the_newest_one(tmp_path):
+    common = ["--out_dir", str(tmp_path), "--eval_every", "2", *SMALL[:4]]
+    run([*common, "--total_steps", "4"])
+    run([*common, "--total_steps", "6", "--resume", "--keep_checkpoints", "0"])
+    assert [c.name for c in (tmp_path / "checkpoints").iterdir()] == ["step_00000006"]
+
+
 def test_a_second_run_into_a_locked_out_dir_stops(tmp_path):
     """A live run holds an flock on its directory; the lock goes with the process, even a killed one."""
     with open(tmp_path / ".lock", "w") as lock:
