@@ -241,14 +241,14 @@ def setup_distributed():
 def start_run(args, algo):
     """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
     out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
-    problem = [claim_run_dir(out_dir, args) if MASTER else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise RunError(problem[0])
+    claim = [claim_run_dir(out_dir, args), out_dir] if MASTER else [None, None]
+    if dist.is_initialized():  # rank 0's name for every rank: their clocks may differ
+        dist.broadcast_object_list(claim, src=0)
+    if claim[0]:
+        raise RunError(claim[0])
     if MASTER and args.wandb:  # imported only when asked for
         __import__("wandb").init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
-    return out_dir
+    return claim[1]
 
 
 def claim_run_dir(out_dir, args):

@@ -313,6 +313,28 @@ def test_keep_checkpoints_0_keeps_the_newest_one(tmp_path):
     assert [c.name for c in (tmp_path / "checkpoints").iterdir()] == ["step_00000006"]
 
 
+CLAIM = """import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import sft
+if os.environ["RANK"] != "0":  # a clock a second behind rank 0's
+    time.strftime = lambda fmt: "19700101-000000"
+sft.setup_distributed()
+print("rank", os.environ["RANK"], sft.start_run(sft.Args(), "sft"), flush=True)
+sft.dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_every_rank_takes_rank_0s_run_dir(tmp_path):
+    (tmp_path / "claim.py").write_text(CLAIM)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    p = subprocess.run(
+        [*cmd, "claim.py", str(ROOT)], cwd=tmp_path, env=ENV, capture_output=True, text=True
+    )
+    dirs = {line.split()[2] for line in p.stdout.splitlines() if line.startswith("rank ")}
+    assert p.returncode == 0 and len(dirs) == 1 and "19700101" not in dirs.pop(), p.stdout
+
+
 def test_a_second_run_into_a_locked_out_dir_stops(tmp_path):
     """A live run holds an flock on its directory; the lock goes with the process, even a killed one."""
     with open(tmp_path / ".lock", "w") as lock:
