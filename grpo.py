@@ -506,7 +506,7 @@ def main(args: Args):
             delta = (args.entropy_target, args.entropy_coef_delta)
             entropy_coef, entropy_bonus = adaptive_entropy_coef(entropy_coef, entropy, *delta)
         extra = dict(entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
-        checkpoint(args, done, models, due=eval_now, extra=extra)  # also on SIGTERM, then stops
+        checkpoint(args, done, models, device, due=eval_now, extra=extra)  # also on SIGTERM
         if log_now:
             t0, t0_step = time.time(), done  # the rate leaves out eval and checkpoint time
 
@@ -574,10 +574,10 @@ def claim_run_dir(out_dir, args):
     print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
 
 
-def checkpoint(args, step, models, due, extra=None):
+def checkpoint(args, step, models, device, due, extra=None):
     """Every rank, every step: save checkpoints/step_N when due or after a SIGTERM (then stop)."""
-    sigterm = torch.tensor([len(SIGTERM)], device="cuda" if torch.cuda.is_available() else "cpu")
-    if not (due or all_reduce(sigterm).item()):  # a SIGTERM to any rank stops every rank
+    stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0  # any rank's
+    if not (due or stop):
         return
     root = f"{args.out_dir}/checkpoints"
     for name, (model, optimizer) in models.items():  # the HF layout, and optimizer.pt
@@ -590,7 +590,7 @@ def checkpoint(args, step, models, due, extra=None):
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()
-    if sigterm.item():
+    if stop:
         raise RunError(f"SIGTERM: saved step {step}; resume with --resume --out_dir {args.out_dir}")
 
 

@@ -313,6 +313,22 @@ def test_keep_checkpoints_0_keeps_the_newest_one(tmp_path):
     assert [c.name for c in (tmp_path / "checkpoints").iterdir()] == ["step_00000006"]
 
 
+def test_another_ranks_sigterm_stops_this_rank_on_a_step_that_saves_anyway(tmp_path, monkeypatch):
+    """The ranks' SIGTERM flags are summed every step, due or not: a rank that skipped the sum on a
+    checkpoint step would train on while its peers stop, and hang at its next collective."""
+    import torch
+
+    import gpt2
+    import sft
+
+    model = gpt2.load("tiny", dict(vocab_size=257, eos_token_id=256, pad_token_id=256))
+    args = sft.Args(out_dir=str(tmp_path), keep_checkpoints=1)
+    monkeypatch.setattr(sft, "all_reduce", lambda x: x + 1)  # another rank was sent SIGTERM
+    with pytest.raises(SystemExit, match="SIGTERM: saved step 4"):
+        sft.checkpoint(args, 4, {"model": (model, None)}, torch.device("cpu"), due=True)
+    assert (tmp_path / "checkpoints" / "step_00000004" / "model" / "model.safetensors").exists()
+
+
 CLAIM = """import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import sft
