@@ -180,7 +180,7 @@ def test_sigterm_to_one_rank_saves_once_on_every_rank_and_stops(script, stage_mo
 
 def test_nccl_process_group_is_bound_to_the_local_gpu(monkeypatch):
     """On CUDA the process group gets device_id = this rank's GPU: without it every barrier() under
-    torchrun warns (seen on an H200, docs/gpu.md). The plumbing is identical in the five scripts
+    torchrun warns (the first CUDA run, docs/gpu.md). The plumbing is identical in the five scripts
     (test_copies), so sft.py's stands for all; CUDA and the process group are stubbed."""
     import sft
 
