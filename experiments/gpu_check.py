@@ -39,6 +39,7 @@ status 1 when an item fails.
 """
 
 import atexit
+import contextlib
 import glob
 import importlib.util
 import json
@@ -171,8 +172,7 @@ def run(ctx, name, cmd, env=None, cwd=ROOT, check=True):
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for pid in [p.pid, *descendants(p.pid)]:  # torchrun's ranks too
-                os.kill(pid, signal.SIGKILL)
+            kill_tree(p.pid)  # torchrun's ranks too
             p.wait()
             f.write(f"\ntimed out after {timeout:.0f} s\n")
             rc = 124
@@ -184,21 +184,22 @@ def run(ctx, name, cmd, env=None, cwd=ROOT, check=True):
     return rc, output
 
 
+def kill_tree(pid):
+    """SIGKILL pid and every process below it, read from /proc: torchrun starts its ranks in
+    sessions of their own, out of reach of a process-group kill."""
+    for each in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
+            os.kill(each, signal.SIGKILL)
+
+
 def descendants(pid):
-    """The processes below pid, read from /proc (torchrun starts its ranks in their own sessions,
-    out of reach of a process-group kill)."""
-    children = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            ppid = int(open(stat).read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
-    below, todo = [], list(children.get(pid, []))
-    while todo:
-        below.append(todo.pop())
-        todo += children.get(below[-1], [])
-    return below
+    """The processes below pid (tests/test_world_sizes.py walks them the same way)."""
+    try:
+        tasks = os.scandir(f"/proc/{pid}/task")
+        kids = [int(c) for t in tasks for c in open(f"{t.path}/children").read().split()]
+    except OSError:  # pid ended meanwhile
+        return []
+    return kids + [k for kid in kids for k in descendants(kid)]
 
 
 def last_line(output):
@@ -866,8 +867,7 @@ def run_groups(ctx, items):
         try:  # each child stops its own runs at the deadline; one that hangs is killed later
             child.wait(timeout=max(1, ctx.end - time.time() + 60) if ctx.end < math.inf else None)
         except subprocess.TimeoutExpired:
-            for pid in [child.pid, *descendants(child.pid)]:
-                os.kill(pid, signal.SIGKILL)
+            kill_tree(child.pid)
             child.wait()
         path = os.path.join(out, "report.json")
         done = json.load(open(path))["items"] if os.path.isfile(path) else {}
