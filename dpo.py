@@ -193,10 +193,14 @@ def main(args: Args):
     train_lengths = data.response_lengths(train, n_train, eos).to(device)
     test_lengths = data.response_lengths(test, n_test, eos).to(device)
 
-    # 3. run directory, policy, optimizer
-    args.out_dir = start_run(args, "dpo")
+    # 3. the policy and π_ref, then the run directory (a bad --model leaves none), optimizer
     model = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
     data.check_context(train, model.config.block_size)
+    use_ref = not (args.reference_free or args.loss_type == "simpo")
+    ref = model  # the starting policy, or --ref_model: frozen, sharded as the policy is
+    if args.ref_model and use_ref:
+        ref = gpt2.load(args.ref_model, meta, shard=lambda m: shard(m, device, bf16, True))
+    args.out_dir = start_run(args, "dpo")
     model.activation_checkpointing = args.activation_checkpointing
     decay = [p for p in model.parameters() if p.dim() >= 2]  # not biases and LayerNorms
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -208,15 +212,12 @@ def main(args: Args):
     # 4. π_ref's log-probs of every pair, once, before a resume loads the trained weights
     ref_train = torch.zeros(n_train, 2, device=device)  # reference-free: log π_ref = 0
     ref_test = torch.zeros(n_test, 2, device=device)
-    if not (args.reference_free or args.loss_type == "simpo"):
-        ref = model  # the starting policy, or --ref_model: frozen, sharded as the policy is
-        if args.ref_model:
-            ref = gpt2.load(args.ref_model, meta, shard=lambda m: shard(m, device, bf16, True))
+    if use_ref:
         if MASTER:
             print(f"reference log-probs of {n_train} train and {n_test} eval pairs", flush=True)
         ref_train = data.split_logprobs(ref, train, n_train, micro_batch_size, ctx)
         ref_test = data.split_logprobs(ref, test, n_test, micro_batch_size, ctx)
-        del ref
+    del ref  # a --ref_model is freed
     start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
 
     def evaluate():
@@ -342,8 +343,8 @@ def start_run(args, algo):
 
 def claim_run_dir(out_dir, args):
     """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
-    if args.resume and not args.out_dir:
-        return "--resume needs --out_dir DIR: the run to continue"
+    if args.resume and not (args.out_dir and os.path.isdir(out_dir)):  # a typo makes no dir
+        return f"--resume needs --out_dir DIR, a run's dir to continue: '{args.out_dir}' is not one"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill

@@ -294,9 +294,8 @@ def main(args: Args):
     if n_prompts < args.batch_size:
         raise RunError(f"prompt_train has {n_prompts} prompts, fewer than --batch_size")
 
-    # 3. run directory; models: the policy, the reference (a copy, so a random `tiny` is its own
-    # reference too), the reward model and the value model (a copy of the reward model)
-    args.out_dir = start_run(args, "ppo")
+    # 3. models, then the run directory (a bad --model leaves none): the policy, the reference (a
+    # copy: a random `tiny` is its own reference), the reward model, the value model (its copy)
     # each built once: rank 0 reads the weights, every rank's shard gets them (gpt2.load)
     trained, frozen = (lambda m: shard(m, device, bf16)), (lambda m: shard(m, device, bf16, True))
     policy = gpt2.load(args.model, meta, shard=trained)
@@ -306,6 +305,7 @@ def main(args: Args):
     value_model = gpt2.load(args.reward_model, meta, head="saved", shard=trained)
     context = min(policy.config.block_size, reward_model.config.block_size)
     data.check_context(prompts, context, args.response_length)
+    args.out_dir = start_run(args, "ppo")
     if args.value_head == "zero":  # lm-human-preferences' value head: the first values are 0
         torch.nn.init.zeros_(value_model.score.weight)
         torch.nn.init.zeros_(value_model.score.bias)
@@ -552,8 +552,8 @@ def start_run(args, algo):
 
 def claim_run_dir(out_dir, args):
     """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
-    if args.resume and not args.out_dir:
-        return "--resume needs --out_dir DIR: the run to continue"
+    if args.resume and not (args.out_dir and os.path.isdir(out_dir)):  # a typo makes no dir
+        return f"--resume needs --out_dir DIR, a run's dir to continue: '{args.out_dir}' is not one"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill

@@ -187,10 +187,10 @@ def main(args: Args):
         raise RunError(f"{n_train} training pairs (--max_train_pairs) are fewer than --batch_size")
     train_lengths = data.response_lengths(train, n_train, eos).to(device)  # (n, 2), for tokens/s
 
-    # 3. run directory, the reward model (the SFT backbone, a fresh head), optimizer
-    args.out_dir = start_run(args, "reward")
+    # 3. the reward model (the SFT backbone, a fresh head), then the run directory, optimizer
     model = gpt2.load(args.model, meta, head="new", shard=lambda m: shard(m, device, bf16))
     data.check_context(train, model.config.block_size, args.response_length)
+    args.out_dir = start_run(args, "reward")  # after the model: a bad --model leaves none
     model.activation_checkpointing = args.activation_checkpointing
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -301,8 +301,8 @@ def start_run(args, algo):
 
 def claim_run_dir(out_dir, args):
     """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
-    if args.resume and not args.out_dir:
-        return "--resume needs --out_dir DIR: the run to continue"
+    if args.resume and not (args.out_dir and os.path.isdir(out_dir)):  # a typo makes no dir
+        return f"--resume needs --out_dir DIR, a run's dir to continue: '{args.out_dir}' is not one"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill

@@ -132,10 +132,10 @@ def main(args: Args):
     if n_train < args.batch_size:
         raise RunError(f"sft_train has {n_train} examples: lower --batch_size {args.batch_size}")
 
-    # 3. run directory, model, optimizer
-    args.out_dir = start_run(args, "sft")
+    # 3. model, then the run directory (a bad --model leaves none), optimizer
     model = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
     data.check_context(train, model.config.block_size)
+    args.out_dir = start_run(args, "sft")
     model.activation_checkpointing = args.activation_checkpointing
     decay = [p for p in model.parameters() if p.dim() >= 2]  # not biases and LayerNorms
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -253,8 +253,8 @@ def start_run(args, algo):
 
 def claim_run_dir(out_dir, args):
     """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
-    if args.resume and not args.out_dir:
-        return "--resume needs --out_dir DIR: the run to continue"
+    if args.resume and not (args.out_dir and os.path.isdir(out_dir)):  # a typo makes no dir
+        return f"--resume needs --out_dir DIR, a run's dir to continue: '{args.out_dir}' is not one"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
     try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill

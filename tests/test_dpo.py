@@ -324,9 +324,10 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path, small):
     + [(["--ref_model", "/nonexistent"], "no checkpoint at")],
 )
 def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
-    p = run(["--out_dir", str(tmp_path), "--total_steps", "2", *SMALL, *flags], check=False)
+    p = run(["--out_dir", str(tmp_path / "x"), "--total_steps", "2", *SMALL, *flags], check=False)
     assert p.returncode == 1 and expected in p.stderr, p.stderr[-2000:]
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
+    assert not (tmp_path / "x").exists()  # no run dir to --overwrite later
 
 
 def test_missing_default_sft_model_names_the_command(tmp_path):

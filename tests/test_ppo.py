@@ -320,9 +320,11 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_
 )
 def test_bad_flags_give_one_line_errors(models, tmp_path, flags, expected):
     flags = [str(models / "sft") if f == "SFT" else f for f in flags]
-    p = run(models, tmp_path, "--total_episodes", "16", *flags, check=False)
+    p = run(models, tmp_path / "x", "--total_episodes", "16", *flags, check=False)
     assert p.returncode == 1 and expected in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    # a flag or model problem leaves no run dir (one that needs --overwrite); the NaN comes later
+    assert (tmp_path / "x").exists() == ("--lr" in flags)
 
 
 def test_missing_default_models_say_what_to_run(models, tmp_path):
