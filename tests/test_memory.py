@@ -19,7 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import gpt2
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+# faulthandler: a worker that crashes (SIGSEGV) prints its Python stack into the failure message
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
 PAD, V = 256, 257
 META = dict(vocab_size=V, eos_token_id=PAD, pad_token_id=PAD)
 CASES = {  # name: (checkpoint, head, bf16 blocks as reward.py's frozen models have them)
