@@ -552,7 +552,7 @@ def start_run(args, algo):
 
 def claim_run_dir(out_dir, args):
     """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
-    if args.resume and not (args.out_dir and os.path.isdir(out_dir)):  # a typo makes no dir
+    if args.resume and not os.path.isdir(args.out_dir):  # none given, or a typo: no dir is made
         return f"--resume needs --out_dir DIR, a run's dir to continue: '{args.out_dir}' is not one"
     if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
