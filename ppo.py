@@ -245,21 +245,26 @@ def all_reduce(x):
 
 
 def shard(model, device, bf16, frozen=False):
-    """The model on its device; under torchrun FSDP2: each block (bf16 params), then the root
+    """The model on its device; under torchrun, FSDP2: each block (bf16 params), then the root
     (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
     if frozen:
         model.eval().requires_grad_(False)
-    if bf16 and frozen:  # stored as computed: FSDP2 casts whole blocks, autocast the matmuls
+    if bf16 and frozen:
+        # Stored as it is computed: FSDP2 casts whole blocks, autocast only the matmuls.
         for m in model.transformer.h.modules():
             if dist.is_initialized() or isinstance(m, gpt2.Conv1D):
                 m.to(torch.bfloat16)
     if not dist.is_initialized():
         return model.to(device)
-    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)  # on the default mesh: every rank
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else fp32
+    # The policies shard over the default mesh: every rank.
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
+    mp = fp32
+    if bf16:
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=mp)
-    return fully_shard(model, mp_policy=fp32 if model.fp32_head else mp)
+    root_mp = fp32 if model.fp32_head else mp
+    return fully_shard(model, mp_policy=root_mp)
 
 
 def check_args(args):  # the flags' problems, found before any heavy work
@@ -517,75 +522,116 @@ def main(args: Args):
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
 # torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
-RunError = gpt2.RunError  # a problem the user can fix: one line, no traceback
+RunError = gpt2.RunError
 MASTER = os.environ.get("RANK", "0") == "0"
-SIGTERM = []  # a cluster's preemption: every rank saves at the same step (checkpoint)
+# A cluster's preemption sends SIGTERM: every rank then saves at the same step
+# (checkpoint).
+SIGTERM = []
 
 
 def setup_distributed():
-    """(rank, world_size, device): under torchrun a process group (nccl on CUDA, gloo on CPU)."""
+    """(rank, world_size, device); under torchrun, a process group: nccl on CUDA, gloo on CPU."""
     gpt2.keep_freed_memory()
     signal.signal(signal.SIGTERM, lambda *_: SIGTERM.append(True))
-    cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if "RANK" in os.environ:  # nccl bound to this GPU (or barrier() warns); 2 h for rank 0's saves
-        if cuda:
-            torch.cuda.set_device(device)
-        backend = dict(backend="nccl", device_id=device) if cuda else dict(backend="gloo")
-        dist.init_process_group(**backend, timeout=datetime.timedelta(hours=2))
-        atexit.register(dist.destroy_process_group)
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device
+    if "RANK" not in os.environ:
+        return rank, world_size, device
+    # Rank 0 may spend long on a save while the others wait at a barrier: a 2-hour
+    # timeout.
+    timeout = datetime.timedelta(hours=2)
+    if cuda:
+        # nccl bound to this GPU, or barrier() warns that it guesses one.
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    atexit.register(dist.destroy_process_group)
+    return rank, world_size, device
 
 
 def start_run(args, algo):
     """Rank 0 claims the run dir: a fresh one, or --out_dir with --resume or --overwrite."""
-    out_dir = args.out_dir or f"runs/{algo}/{time.strftime('%Y%m%d-%H%M%S')}-s{args.seed}"
-    claim = [claim_run_dir(out_dir, args), out_dir] if MASTER else [None, None]
-    if dist.is_initialized():  # rank 0's name for every rank: their clocks may differ
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out_dir or f"runs/{algo}/{stamp}-s{args.seed}"
+    claim = [None, None]
+    if MASTER:
+        claim = [claim_run_dir(out_dir, args, algo), out_dir]
+    # Every rank takes rank 0's name: their clocks may differ.
+    if dist.is_initialized():
         dist.broadcast_object_list(claim, src=0)
-    if claim[0]:
-        raise RunError(claim[0])
-    if MASTER and args.wandb:  # imported only when asked for
-        __import__("wandb").init(config=asdict(args), dir=out_dir, name=os.path.basename(out_dir))
-    return claim[1]
+    problem, out_dir = claim
+    if problem:
+        raise RunError(problem)
+    if MASTER and args.wandb:
+        # Imported only when asked for.
+        wandb = __import__("wandb")
+        name = os.path.basename(out_dir)
+        wandb.init(config=asdict(args), dir=out_dir, name=name)
+    return out_dir
 
 
-def claim_run_dir(out_dir, args):
-    """None once this process holds out_dir (an flock, held until it exits), else what stops it."""
-    if args.resume and not os.path.isdir(args.out_dir):  # none given, or a typo: no dir is made
+def claim_run_dir(out_dir, args, algo):
+    """None once this process holds out_dir (an flock, until it exits), or what stops it."""
+    # No --out_dir, or a typo: stop before a dir is made.
+    if args.resume and not os.path.isdir(args.out_dir):
         return f"--resume needs --out_dir DIR, a run's dir to continue: '{args.out_dir}' is not one"
-    if os.path.isfile(f"{out_dir}/args.json") and not (args.resume or args.overwrite):
+    old_args = f"{out_dir}/args.json"
+    if os.path.isfile(old_args) and not (args.resume or args.overwrite):
         return f"'{out_dir}' holds a run: pass --resume, --overwrite or another --out_dir"
-    try:  # the lock's file descriptor is never closed: the OS releases it, even after a kill
+    if args.resume and os.path.isfile(old_args):
+        # Runs of older versions did not record their script.
+        script = json.load(open(old_args)).get("script", f"{algo}.py")
+        if script != f"{algo}.py":
+            return f"'{out_dir}' holds a run of {script}: resume it with {script}"
+    try:
         os.makedirs(out_dir, exist_ok=True)
-        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)  # NFS locks need write access
+        # NFS locks need write access. The descriptor is never closed: the OS releases
+        # the lock when the process ends, even after a kill.
+        lock = os.open(f"{out_dir}/.lock", os.O_CREAT | os.O_RDWR)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:  # BlockingIOError: another process holds the lock
-        why = "another run is writing to it" if isinstance(e, BlockingIOError) else e.strerror
+    except BlockingIOError:
+        why = "another run is writing to it"
         return f"cannot write to '{out_dir}' ({why}): pass another --out_dir"
-    if not args.resume:  # a fresh run, or --overwrite: nothing of the old run is left
+    except OSError as e:
+        return f"cannot write to '{out_dir}' ({e.strerror}): pass another --out_dir"
+    if not args.resume:
+        # A fresh run, or --overwrite: nothing of the old run is left. Its final model
+        # goes too, so that a later stage cannot load it under the new run's args.
         shutil.rmtree(f"{out_dir}/checkpoints", ignore_errors=True)
-        for old in glob.glob(f"{out_dir}/model.safetensors") + glob.glob(f"{out_dir}/config.json"):
-            os.remove(old)  # its final model: a later stage must not load it under the new args
+        for name in ("model.safetensors", "config.json"):
+            if os.path.isfile(f"{out_dir}/{name}"):
+                os.remove(f"{out_dir}/{name}")
     open(f"{out_dir}/metrics.jsonl", "a" if args.resume else "w").close()
-    with open(f"{out_dir}/args.json", "w") as f:
-        json.dump(asdict(args) | {"out_dir": out_dir}, f, indent=2)
+    with open(old_args, "w") as f:
+        record = asdict(args) | {"out_dir": out_dir, "script": f"{algo}.py"}
+        json.dump(record, f, indent=2)
     print(f"run dir {out_dir} (continue it with --resume --out_dir {out_dir})", flush=True)
 
 
 def checkpoint(args, step, models, device, due, extra=None):
-    """Every rank, every step: save checkpoints/step_N when due or after a SIGTERM (then stop)."""
-    stop = all_reduce(torch.tensor([len(SIGTERM)], device=device)).item() > 0  # any rank's
+    """Every rank, every step: save checkpoints/step_N when due, or after a SIGTERM and stop."""
+    # Any rank's SIGTERM stops every rank at this step.
+    flags = all_reduce(torch.tensor([len(SIGTERM)], device=device))
+    stop = flags.item() > 0
     if not (due or stop):
         return
     root = f"{args.out_dir}/checkpoints"
-    for name, (model, optimizer) in models.items():  # the HF layout, and optimizer.pt
+    final = f"{root}/step_{step:08d}"
+    # Each model in the HF layout, with its optimizer.pt.
+    for name, (model, optimizer) in models.items():
         gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
-    if MASTER:  # a save killed midway leaves .tmp, never a partial step_N
+    if MASTER:
         torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
-        shutil.rmtree(f"{root}/step_{step:08d}", ignore_errors=True)  # saved again after a resume
-        os.replace(f"{root}/.tmp", f"{root}/step_{step:08d}")
-        for old in sorted(glob.glob(f"{root}/step_*"))[: -max(1, args.keep_checkpoints)]:
+        # A save killed midway leaves .tmp, never a partial step_N. After a resume, a
+        # step can be saved again.
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(f"{root}/.tmp", final)
+        keep = max(1, args.keep_checkpoints)
+        for old in sorted(glob.glob(f"{root}/step_*"))[:-keep]:
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()
@@ -593,57 +639,73 @@ def checkpoint(args, step, models, device, due, extra=None):
         raise RunError(f"SIGTERM: saved step {step}; resume with --resume --out_dir {args.out_dir}")
 
 
-def load_checkpoint(out_dir, models):
-    """--resume: the newest checkpoint whose files open on rank 0, loaded at any world size."""
-    box = [None]
-    for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True) if MASTER else []:
-        try:  # headers and zip directories only: a truncated file fails there, in any of many ways
+def newest_complete_checkpoint(out_dir, models):
+    """Rank 0: the newest checkpoint whose files open, by their headers, or None."""
+    for path in sorted(glob.glob(f"{out_dir}/checkpoints/step_*"), reverse=True):
+        # Headers and zip directories only: a truncated file fails there, in one of many
+        # ways.
+        try:
             for name in models:
                 safe_open(f"{path}/{name}/model.safetensors", "pt")
                 torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
             torch.load(f"{path}/state.pt", weights_only=True)
-            box = [path]
-            break
+            return path
         except Exception as e:
-            print(f"warning: checkpoint {path} is damaged ({e.__class__.__name__})", flush=True)
+            why = e.__class__.__name__
+            print(f"warning: checkpoint {path} is damaged ({why})", flush=True)
+    return None
+
+
+def load_checkpoint(out_dir, models):
+    """--resume: rank 0 picks the checkpoint, and every rank loads it, at any world size."""
+    box = [newest_complete_checkpoint(out_dir, models) if MASTER else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
+    path = box[0]
+    if path is None:
         raise RunError(f"--resume: no complete checkpoint in {out_dir}/checkpoints: drop --resume")
-    state = torch.load(f"{box[0]}/state.pt", weights_only=True)
+    state = torch.load(f"{path}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
-        gpt2.load_weights(model, f"{box[0]}/{name}", optimizer)
-    if MASTER:  # the rows a killed run logged after this checkpoint are logged again
-        print(f"resumed from {box[0]} at step {state['step']}", flush=True)
-        rows = open(f"{out_dir}/metrics.jsonl", "rb").readlines()  # in step order
-        kept = sum(len(row) for row in rows if json.loads(row)["step"] <= state["step"])
-        os.truncate(f"{out_dir}/metrics.jsonl", kept)  # one call: a kill leaves every row or these
+        gpt2.load_weights(model, f"{path}/{name}", optimizer)
+    if MASTER:
+        print(f"resumed from {path} at step {state['step']}", flush=True)
+        # The rows a killed run logged after this checkpoint will be logged again: cut
+        # them, in one call, so that a kill leaves either every row or these. The rows
+        # are in step order.
+        rows = open(f"{out_dir}/metrics.jsonl", "rb").readlines()
+        kept = [row for row in rows if json.loads(row)["step"] <= state["step"]]
+        os.truncate(f"{out_dir}/metrics.jsonl", sum(len(row) for row in kept))
     return state
 
 
 def log_metrics(out_dir, step, metrics, show):
     """Rank 0: one JSON row in metrics.jsonl (every metric) and one status line (`show`)."""
-    if MASTER:
-        with open(f"{out_dir}/metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        status = " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics)
-        print(f"step {step:5d} | {status}", flush=True)
-        if "wandb" in sys.modules:
-            sys.modules["wandb"].log(metrics, step=step)
+    if not MASTER:
+        return
+    with open(f"{out_dir}/metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+    status = " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics)
+    print(f"step {step:5d} | {status}", flush=True)
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].log(metrics, step=step)
 
 
 def finish_run(args, algo):
-    """After the final save: runs/<algo>/latest, where the next stage looks, points at this run."""
+    """After the final save: runs/<algo>/latest, where the next stage looks, links this run."""
     if MASTER and os.path.dirname(args.out_dir) == f"runs/{algo}":
-        os.symlink(os.path.basename(args.out_dir), f"runs/{algo}/.latest.{os.getpid()}")
-        os.replace(f"runs/{algo}/.latest.{os.getpid()}", f"runs/{algo}/latest")  # no run shares it
+        # A new link under this process's own name, renamed over the old one: no reader
+        # ever finds no link, and no other run shares the temporary name.
+        link = f"runs/{algo}/.latest.{os.getpid()}"
+        os.symlink(os.path.basename(args.out_dir), link)
+        os.replace(link, f"runs/{algo}/latest")
     if MASTER and "wandb" in sys.modules:
         sys.modules["wandb"].finish()
-    if dist.is_initialized():  # gloo's threads can abort the interpreter's teardown: skip it
+    if dist.is_initialized():
+        # gloo's threads can abort the interpreter's teardown: skip it.
         dist.destroy_process_group()
         sys.stdout.flush()
         os._exit(0)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, use_underscores=True))

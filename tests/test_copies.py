@@ -42,7 +42,14 @@ def test_shared_helpers_identical():
     sources["adam_tf_step"]["adam_tf.py"] = definitions(ROOT / "adam_tf.py")["adam_tf_step"]
     shared = {fn: files for fn, files in sources.items() if len(files) > 1}
     # first_true_indices, response_mask, greedy_accuracy, get_reward: now in gpt2.py and data/
-    for must in ("setup_distributed", "checkpoint", "shard", "lr_at", "adam_tf_step"):
+    for must in (
+        "setup_distributed",
+        "checkpoint",
+        "shard",
+        "lr_at",
+        "all_reduce_dict",
+        "adam_tf_step",
+    ):
         assert must in shared, f"{must} is no longer shared: did a script rename it?"
     drifted = [
         f"{fn}: {sorted(files)}" for fn, files in shared.items() if len(set(files.values())) > 1
@@ -56,22 +63,10 @@ def test_plumbing_section_is_identical_and_last():
         src = (ROOT / name).read_text()
         assert src.count(FENCE) == 1, f"{name}: the plumbing fence must appear exactly once"
         section = src[src.index(FENCE) :]
-        assert section.rstrip().endswith('if __name__ == "__main__":\n    main(tyro.cli(Args))'), (
-            name
-        )
+        last = 'if __name__ == "__main__":\n    main(tyro.cli(Args, use_underscores=True))'
+        assert section.rstrip().endswith(last), name
         sections[name] = section
     assert len(set(sections.values())) == 1, "plumbing sections differ: " + ", ".join(sections)
-
-
-# total lines, plumbing included (issue 26; grpo and ppo have room for issue 29's variants)
-BUDGET = {"gpt2.py": 500, "sft.py": 350, "reward.py": 400, "dpo.py": 450, "grpo.py": 650}
-BUDGET |= {"ppo.py": 720, "adam_tf.py": 120}
-
-
-def test_files_keep_their_size_budget():
-    for name, budget in BUDGET.items():
-        lines = (ROOT / name).read_text().count("\n")
-        assert lines <= budget, f"{name}: {lines} lines, over its budget of {budget}"
 
 
 def test_the_algorithm_comes_first():

@@ -1,0 +1,39 @@
+"""The command line as a new user meets it: flags spelled as README and docs write them, and a resume
+pointed at another script's run dir named as such."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+SCRIPTS = ["sft.py", "reward.py", "dpo.py", "ppo.py", "grpo.py"]
+
+
+def run(*args):
+    cmd = [sys.executable, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_spells_flags_with_underscores(script):
+    """README and docs write --micro_batch_size: --help prints the same spelling."""
+    p = run(script, "--help")
+    assert p.returncode == 0, p.stderr
+    assert "--micro_batch_size" in p.stdout or "--num_minibatches" in p.stdout, p.stdout
+    assert "--out-dir" not in p.stdout and "--out_dir" in p.stdout
+
+
+def test_resume_names_the_script_whose_run_it_is(tmp_path):
+    """grpo.py --resume on a run dir that sft.py wrote: one line naming sft.py, not 'damaged'."""
+    flags = "--total_steps 2 --eval_every 2 --eval_size 0 --batch_size 8 --micro_batch_size 8"
+    p = run("sft.py", "--out_dir", str(tmp_path), *flags.split())
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = run("grpo.py", "--resume", "--out_dir", str(tmp_path), "--model", "tiny")
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode == 1
+    assert lines[-1] == f"error: '{tmp_path}' holds a run of sft.py: resume it with sft.py", lines
+    assert "Traceback" not in p.stderr
