@@ -235,8 +235,7 @@ class ScalarModel(GPT):
         # Unused, but kept so that the state dict is GPT-2's plus `score.*`.
         self.lm_head = backbone.lm_head
         self.score = nn.Linear(self.config.n_embd, 1)
-        # lm-human-preferences' init: N(0, 1/sqrt(n_embd + 1)), so the first scores have unit
-        # scale.
+        # lm-human-preferences' init: the first scores have unit scale.
         nn.init.normal_(self.score.weight, std=1 / math.sqrt(self.config.n_embd + 1))
         nn.init.zeros_(self.score.bias)
         self.reward_gain = gain
@@ -333,8 +332,7 @@ def generate(
         raise ValueError(f"{total} tokens exceed the context of {model.config.block_size}")
     if noise is None:
         noise = torch.rand(B, max_new_tokens, device=device)
-    # The attention mask of the whole sequence: the queries' real tokens, then every response
-    # token.
+    # The attention mask: the queries' real tokens, then every response token.
     mask = F.pad(query != pad_token_id, (0, max_new_tokens), value=True)
     response = torch.full((B, max_new_tokens), pad_token_id, dtype=query.dtype, device=device)
     logprobs = torch.zeros(B, max_new_tokens, device=device)
@@ -356,8 +354,7 @@ def generate(
             logprobs[:, t] = token_logp.masked_fill(done, 0)
             if eos_token_id is not None:
                 done |= token == eos_token_id
-                # done.all() is a host sync: every step on CPU, where it is free, but only every
-                # 8 steps on GPU.
+                # done.all() syncs with the host: free on CPU, so every step; on GPU every 8.
                 if device.type == "cpu" or t % 8 == 7:
                     if done.all():
                         break
@@ -476,8 +473,7 @@ def load(name, tokenizer=None, head=None, shard=None):
     state = {} if rank else model.state_dict()
     model = shard(model)
     if rank:
-        # Storage for the shards, made in place, so that the tied wte and lm_head stay one
-        # parameter.
+        # Storage for the shards, in place: the tied wte and lm_head stay one parameter.
         device_type = next(model.parameters()).device_mesh.device_type
         model.to_empty(device=device_type)
     options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -647,8 +643,8 @@ def _resolve(name):
 AMD = os.path.isfile("/proc/cpuinfo") and "AuthenticAMD" in open("/proc/cpuinfo").read()
 GEMM = os.environ.get("GPT2_CPU_GEMM") or ("onednn" if AMD else "mkl")
 ONEDNN = GEMM == "onednn" and torch.backends.mkldnn.is_available()
-# oneDNN's fixed cost per call loses on GEMMs with few weights and few rows (tiny's decode
-# step).
+# oneDNN's fixed cost per call loses on GEMMs with few weights and few rows, such as a
+# decode step of the tiny model.
 ONEDNN_MIN_WEIGHTS = 1 << 18
 ONEDNN_MIN_ROWS = 512
 
@@ -680,7 +676,7 @@ class OneDNNMatmul(torch.autograd.Function):
         gw = None
         gb = None
         if need_x:
-            # g @ w for w (out, in), as oneDNN's g @ (w.T).T.
+            # The input's gradient g @ w.T for w (in, out), or g @ w for w (out, in).
             w_in_out = w.t() if ctx.out_in else w
             gx = _onednn(g, w_in_out)
         if need_w:
@@ -695,12 +691,12 @@ def matmul(x, w, b=None, out_in=False):
     rows = x.numel() // x.size(-1)
     big = w.numel() >= ONEDNN_MIN_WEIGHTS or rows >= ONEDNN_MIN_ROWS
     cpu_fp32 = x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
-    # Under autocast or torch.compile, F.linear: they handle it, not the Function below.
+    # Autocast and torch.compile know F.linear, not the custom Function below.
     eager = not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
     if not (ONEDNN and cpu_fp32 and big and eager):
         return F.linear(x, w if out_in else w.t(), b)
     x_2d = x.reshape(rows, x.size(-1))
-    # No graph is recorded under no_grad.
+    # Under no_grad (decoding), apply records no graph.
     y = OneDNNMatmul.apply(x_2d, w, b, out_in)
     # Reshaped as torch.matmul does, not as a view: FSDP2 warns when a module returns a view.
     out_shape = (*x.shape[:-1], y.size(-1))
