@@ -5,28 +5,31 @@
     python -m data.prep hh-rlhf --input harmless-base/train.jsonl.gz \\
         --test_input harmless-base/test.jsonl.gz --out runs/data/hh --tokenizer gpt2 \\
         --max_query_len 512 --max_response_len 256 --truncate --drop_empty
-    python -m data.prep tldr --input comparisons/*.json --out runs/data/tldr --tokenizer gpt2 \\
-        --max_query_len 600 --truncate
+    python -m data.prep tldr --input comparisons/*.json --out runs/data/tldr \\
+        --tokenizer gpt2 --max_query_len 600 --truncate
     python -m data.prep jsonl --input mine.jsonl --out runs/data/mine --task gsm8k \\
         --pad_token_id 50257
 
-- jsonl: {prompt, completion} -> sft, {prompt, chosen, rejected} -> pref, {prompt, ground_truth}
-  -> prompt.
-- gsm8k: {question, answer}: prompt "Question: ...\\nAnswer:", sft response = the worked answer,
-  ground truth = the number after "#### "; task gsm8k (checked by `data.verify`).
-- hh-rlhf: {chosen, rejected} dialogues: prompt = the shared prefix up to and including its last
-  "\\n\\nAssistant:", responses = the rest of each -> pref, sft (chosen), prompt (no ground truth).
+- jsonl: {prompt, completion} -> sft, {prompt, chosen, rejected} -> pref,
+  {prompt, ground_truth} -> prompt.
+- gsm8k: {question, answer}: prompt "Question: ...\\nAnswer:", sft response = the worked
+  answer, ground truth = the number after "#### "; task gsm8k (checked by
+  `data.verify`).
+- hh-rlhf: {chosen, rejected} dialogues: prompt = the shared prefix up to and including
+  its last "\\n\\nAssistant:", responses = the rest of each -> pref, sft (chosen),
+  prompt (no ground truth).
 - tldr: summarize-from-feedback comparisons
-  {info{subreddit, title, post}, summaries[{text}, {text}], choice} -> pref, or the SFT format
-  {subreddit, title, post, summary} -> sft; both -> prompt. Query format and the summary's leading
-  space as in summarize_from_feedback_details.
+  {info{subreddit, title, post}, summaries[{text}, {text}], choice} -> pref, or the SFT
+  format {subreddit, title, post, summary} -> sft; both -> prompt. Query format and the
+  summary's leading space as in summarize_from_feedback_details.
 
-Without --test_input a seeded fraction of the distinct prompts is held out, so no prompt is in both
-train and test. A bad line stops the prep with `file:line: problem: fix`; --truncate / --drop_empty
-drop over-long / empty rows. Padding uses the stop token unless --pad_token_id names another id (one
-past the vocabulary, e.g. 50257 for gpt2, grows meta.json's vocab_size by one); responses end in the
-stop token either way. The tokenizer is one of the names `bytes`, `gpt2` (the GPT-2 BPE shipped in
-data/, no download) or a .tiktoken file, which meta.json stores relative to --out.
+Without --test_input a seeded fraction of the distinct prompts is held out, so no prompt
+is in both train and test. A bad line stops the prep with `file:line: problem: fix`;
+--truncate / --drop_empty drop over-long / empty rows. Padding uses the stop token unless
+--pad_token_id names another id (one past the vocabulary, e.g. 50257 for gpt2, grows
+meta.json's vocab_size by one); responses end in the stop token either way. The
+tokenizer is one of the names `bytes`, `gpt2` (the GPT-2 BPE shipped in data/, no
+download) or a .tiktoken file, which meta.json stores relative to --out.
 """
 
 import argparse
@@ -50,8 +53,9 @@ FIELDS = {
     "hh-rlhf": "chosen and rejected",
     "tldr": "info, summaries and choice (or subreddit, title, post, summary)",
 }
-TASKS = dict(gsm8k="gsm8k")  # formats with a verifier; the others are scored by a reward model
-# the response arrays each kind of row has, in column order
+# Formats with a verifier; the others are scored by a reward model.
+TASKS = dict(gsm8k="gsm8k")
+# The response arrays each kind of row has, in column order.
 RESPONSES = dict(sft=("response",), pref=("chosen", "rejected"), prompt=())
 
 
@@ -62,15 +66,20 @@ def _str(record: dict, key: str) -> str:
 
 
 def _space(text: str) -> str:
-    return text if text[:1].isspace() else " " + text
+    if text[:1].isspace():
+        return text
+    return " " + text
 
 
 # --------------------------------------------------------------------------------------------------
-# One function per format: a JSON record -> rows (kind, prompt, *texts), kind in sft / pref / prompt
+# One function per format: a JSON record -> rows (kind, prompt, *texts), where kind is
+# sft, pref or prompt
 
 
 def jsonl_rows(r: dict) -> list[tuple]:
-    rows = [("sft", _str(r, "prompt"), _str(r, "completion"))] if "completion" in r else []
+    rows = []
+    if "completion" in r:
+        rows.append(("sft", _str(r, "prompt"), _str(r, "completion")))
     if "chosen" in r or "rejected" in r:
         rows.append(("pref", _str(r, "prompt"), _str(r, "chosen"), _str(r, "rejected")))
     if "ground_truth" in r:
@@ -84,14 +93,17 @@ def jsonl_rows(r: dict) -> list[tuple]:
 
 
 def gsm8k_rows(r: dict) -> list[tuple]:
-    prompt, answer = GSM8K_TEMPLATE.format(question=_str(r, "question").strip()), _str(r, "answer")
+    prompt = GSM8K_TEMPLATE.format(question=_str(r, "question").strip())
+    answer = _str(r, "answer")
     if "####" not in answer:
         raise ValueError("answer has no final '#### <number>'")
-    return [("sft", prompt, _space(answer)), ("prompt", prompt, answer.split("####")[-1].strip())]
+    final_number = answer.split("####")[-1].strip()
+    return [("sft", prompt, _space(answer)), ("prompt", prompt, final_number)]
 
 
 def hh_rows(r: dict) -> list[tuple]:
-    chosen, rejected = _str(r, "chosen"), _str(r, "rejected")
+    chosen = _str(r, "chosen")
+    rejected = _str(r, "rejected")
     cut = os.path.commonprefix([chosen, rejected]).rfind(HH_TURN)
     if cut < 0:
         raise ValueError("chosen and rejected share no prefix ending in an Assistant turn")
@@ -105,11 +117,15 @@ def hh_rows(r: dict) -> list[tuple]:
 
 
 def tldr_rows(r: dict) -> list[tuple]:
-    post = r.get("info", r)  # comparisons nest the post under info, the SFT format does not
-    prompt = TLDR_TEMPLATE.format(**{k: _str(post, k) for k in ("subreddit", "title", "post")})
+    # Comparisons nest the post under info, the SFT format does not.
+    post = r.get("info", r)
+    fields = {k: _str(post, k) for k in ("subreddit", "title", "post")}
+    prompt = TLDR_TEMPLATE.format(**fields)
     if "summaries" not in r:
-        return [("sft", prompt, _space(_str(r, "summary"))), ("prompt", prompt, "")]
-    summaries, choice = r["summaries"], r.get("choice")
+        summary = _space(_str(r, "summary"))
+        return [("sft", prompt, summary), ("prompt", prompt, "")]
+    summaries = r["summaries"]
+    choice = r.get("choice")
     if not isinstance(summaries, list) or len(summaries) != 2 or choice not in (0, 1):
         raise ValueError("'summaries' must hold two summaries and 'choice' be 0 or 1")
     texts = [_space(_str(s, "text")) for s in summaries]
@@ -124,16 +140,18 @@ FORMATS = {"jsonl": jsonl_rows, "gsm8k": gsm8k_rows, "hh-rlhf": hh_rows, "tldr":
 
 
 def read_rows(fmt: str, path: str) -> list[tuple]:
-    """All rows of one file as (location, kind, prompt, *texts); the first bad line raises, naming
-    file and line."""
+    """All rows of one file as (location, kind, prompt, *texts); the first bad line raises,
+    naming file and line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"input file '{path}' not found: pass an existing --input / --test_input path"
         )
-    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
         try:
             lines = f.readlines()
-        except (OSError, EOFError) as e:  # a broken .gz
+        # A broken .gz.
+        except (OSError, EOFError) as e:
             raise ValueError(
                 f"{path}: unreadable ({e}): pass a JSONL file or an intact .jsonl.gz"
             ) from None
@@ -144,15 +162,18 @@ def read_rows(fmt: str, path: str) -> list[tuple]:
         loc = f"{path}:{lineno}"
         try:
             record = json.loads(line)
-        except ValueError as e:  # JSONDecodeError or UnicodeDecodeError
+        # JSONDecodeError, or UnicodeDecodeError (which has no msg).
+        except ValueError as e:
+            why = getattr(e, "msg", "not UTF-8")
             raise ValueError(
-                f"{loc}: malformed JSON ({getattr(e, 'msg', 'not UTF-8')}): "
+                f"{loc}: malformed JSON ({why}): "
                 "each line must be one JSON object (JSONL); fix or delete the line"
             ) from None
         try:
             if not isinstance(record, dict):
                 raise ValueError("the line is not a JSON object")
-            rows += [(loc, *row) for row in FORMATS[fmt](record)]
+            for row in FORMATS[fmt](record):
+                rows.append((loc, *row))
         except ValueError as e:
             raise ValueError(f"{loc}: {e}: every {fmt} line needs {FIELDS[fmt]}") from None
     return rows
@@ -161,12 +182,13 @@ def read_rows(fmt: str, path: str) -> list[tuple]:
 def problem(
     query: list[int], texts: list[str], responses: list[list[int]], names: tuple, a
 ) -> tuple | None:
-    """(what is wrong with a tokenized row, the flag that drops such rows), or None if it is
-    fine."""
+    """(what is wrong with a tokenized row, the flag that drops such rows), or None if it
+    is fine."""
     if not query:
         return "empty prompt", None
     if a.max_query_len and len(query) > a.max_query_len:
-        return f"prompt is {len(query)} tokens, over --max_query_len {a.max_query_len}", "truncate"
+        too_long = f"prompt is {len(query)} tokens, over --max_query_len {a.max_query_len}"
+        return too_long, "truncate"
     for name, text, ids in zip(names, texts, responses):
         if not text.strip():
             return f"empty {name}", "drop_empty"
@@ -187,8 +209,20 @@ def split_prompts(rows: list[tuple], test_fraction: float, seed: int) -> tuple[l
             f"only {len(prompts)} distinct prompts: too few to hold out a test split; "
             "pass --test_input"
         )
-    test = set(prompts[:n_test])
-    return [r for r in rows if r[2] not in test], [r for r in rows if r[2] in test]
+    test_prompts = set(prompts[:n_test])
+    train = [r for r in rows if r[2] not in test_prompts]
+    test = [r for r in rows if r[2] in test_prompts]
+    return train, test
+
+
+def column(name: str, values: list, pad: int) -> np.ndarray:
+    """One array of a split: ground truth as strings, the query left-padded, every other
+    column (a response) right-padded."""
+    if name == "ground_truth":
+        return np.array(values)
+    if name == "query":
+        return pad_left(values, pad)
+    return pad_right(values, pad)
 
 
 def tokenize(
@@ -196,7 +230,9 @@ def tokenize(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Rows -> {kind: arrays}: queries left-padded, responses ending in <|endoftext|> then
     right-padded, with `pad`."""
-    eot, out, seen = enc.eot_token, {}, set()
+    eot = enc.eot_token
+    out = {}
+    seen = set()
     for loc, kind, prompt, *texts in progress(rows, "tokenize"):
         # A TL;DR post compared many times would otherwise be an RL prompt many times over.
         if kind == "prompt" and (prompt, texts[0]) in seen:
@@ -205,56 +241,64 @@ def tokenize(
         query = enc.encode_ordinary(prompt)
         responses = [enc.encode_ordinary(t) + [eot] for t in texts[: len(names)]]
         bad = problem(query, texts, responses, names, a)
-        if bad and bad[1] and getattr(a, bad[1]):
-            skipped[bad[1]] = skipped.get(bad[1], 0) + 1
-            continue
         if bad:
-            fix = f"pass --{bad[1]} to drop such rows" if bad[1] else "fix the line"
-            raise ValueError(f"{loc}: {bad[0]}: {fix}")
+            what, flag = bad
+            if flag and getattr(a, flag):
+                skipped[flag] = skipped.get(flag, 0) + 1
+                continue
+            fix = f"pass --{flag} to drop such rows" if flag else "fix the line"
+            raise ValueError(f"{loc}: {what}: {fix}")
         row = dict(query=query, **dict(zip(names, responses)))
         if kind == "prompt":
             seen.add((prompt, texts[0]))
             row["ground_truth"] = texts[0]
         out.setdefault(kind, []).append(row)
-
-    # every column but query and ground_truth is a response
-    def column(name: str, values: list) -> np.ndarray:
-        if name == "ground_truth":
-            return np.array(values)
-        return pad_left(values, pad) if name == "query" else pad_right(values, pad)
-
-    return {k: {n: column(n, [r[n] for r in rs]) for n in rs[0]} for k, rs in out.items()}
+    arrays = {}
+    for kind, kind_rows in out.items():
+        arrays[kind] = {}
+        for name in kind_rows[0]:
+            values = [row[name] for row in kind_rows]
+            arrays[kind][name] = column(name, values, pad)
+    return arrays
 
 
 def prep(a) -> dict:
-    """Read, check, split and write one dataset; returns how many rows each flag dropped."""
+    """Read, check, split and write one dataset; returns how many rows each flag
+    dropped."""
     if not 0 < a.test_fraction < 1:
         raise ValueError(f"--test_fraction {a.test_fraction} must be between 0 and 1")
-    enc, skipped = get_encoding(a.tokenizer), {}
-    meta = make_meta(a.tokenizer, a.out, a.task or TASKS.get(a.format), a.pad_token_id)
+    enc = get_encoding(a.tokenizer)
+    skipped = {}
+    task = a.task or TASKS.get(a.format)
+    meta = make_meta(a.tokenizer, a.out, task, a.pad_token_id)
     rows = [r for path in a.input for r in read_rows(a.format, path)]
     if a.test_input:
-        train, test = rows, [r for path in a.test_input for r in read_rows(a.format, path)]
+        train = rows
+        test = [r for path in a.test_input for r in read_rows(a.format, path)]
     else:
         train, test = split_prompts(rows, a.test_fraction, a.seed)
     pad = meta["pad_token_id"]
-    train, test = tokenize(train, enc, pad, a, skipped), tokenize(test, enc, pad, a, skipped)
+    train = tokenize(train, enc, pad, a, skipped)
+    test = tokenize(test, enc, pad, a, skipped)
     for kind in sorted(set(train) | set(test)):
         if kind not in train or kind not in test:
+            empty = "test" if kind in train else "train"
             raise ValueError(
-                f"no {kind} rows left in the {'test' if kind in train else 'train'} split: "
+                f"no {kind} rows left in the {empty} split: "
                 "use more data, a larger --test_fraction or a --test_input with such rows"
             )
-    splits = {
-        f"{k}_{s}": v for s, split in (("train", train), ("test", test)) for k, v in split.items()
-    }
+    splits = {}
+    for split_name, split in (("train", train), ("test", test)):
+        for kind, arrays in split.items():
+            splits[f"{kind}_{split_name}"] = arrays
     if not splits:
         raise ValueError(
             "no rows left: raise --max_query_len / --max_response_len or fix the input"
         )
     write_dataset(a.out, meta, splits)
     if skipped:
-        print("skipped " + ", ".join(f"{n} rows (--{flag})" for flag, n in skipped.items()))
+        counts = [f"{n} rows (--{flag})" for flag, n in skipped.items()]
+        print("skipped " + ", ".join(counts))
     return skipped
 
 

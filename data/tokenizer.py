@@ -1,15 +1,16 @@
-"""Tokenizers: tiktoken Encodings with `<|endoftext|>` as the stop token. Nothing is downloaded.
+"""Tokenizers: tiktoken Encodings with `<|endoftext|>` as the stop token.
 
+Nothing is downloaded:
 - `bytes`: 256 byte tokens + `<|endoftext|>` = 256, built in code: the offline default.
-- `gpt2`: the real GPT-2 BPE (50,257 tokens) from data/gpt2.tiktoken, which ships with the
-  repository (the ranks file of the MIT-licensed openai-whisper package: see
+- `gpt2`: the real GPT-2 BPE (50,257 tokens) from data/gpt2.tiktoken, which ships with
+  the repository (the ranks file of the MIT-licensed openai-whisper package: see
   data/gpt2.tiktoken.LICENSE).
-- a path to another `.tiktoken` file (base64 token, rank per line): a BPE from disk, with GPT-2's
-  pre-tokenisation.
+- a path to another `.tiktoken` file (base64 token, rank per line): a BPE from disk, with
+  GPT-2's pre-tokenisation.
 
-A dataset's meta.json names its tokenizer portably (`portable_name`): `bytes` / `gpt2`, or a
-.tiktoken file by its path relative to the dataset directory, which `resolve_name` turns back into a
-path when the dataset is loaded.
+A dataset's meta.json names its tokenizer portably (`portable_name`): `bytes` / `gpt2`,
+or a .tiktoken file by its path relative to the dataset directory, which `resolve_name`
+turns back into a path when the dataset is loaded.
 """
 
 import base64
@@ -19,19 +20,20 @@ from functools import lru_cache
 
 import tiktoken
 
-from gpt2 import RunError  # a problem the user can fix: one line, no traceback
+# RunError is a problem the user can fix: it prints one line, no traceback.
+from gpt2 import RunError
 
 EOT = "<|endoftext|>"
 NAMES = ("bytes", "gpt2")
 GPT2_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2.tiktoken")
 GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-# GPT-2's pre-tokenisation regex (tiktoken's gpt2 pattern)
+# GPT-2's pre-tokenisation regex (tiktoken's gpt2 pattern).
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def _bpe(name: str, path: str) -> tiktoken.Encoding:
-    """A .tiktoken ranks file read directly (tiktoken's own loader would copy it into a cache dir
-    first)."""
+    """A .tiktoken ranks file read directly (tiktoken's own loader would copy it into a
+    cache dir first)."""
     with open(path, "rb") as f:
         raw = f.read()
     if path == GPT2_FILE and hashlib.sha256(raw).hexdigest() != GPT2_SHA256:
@@ -39,12 +41,17 @@ def _bpe(name: str, path: str) -> tiktoken.Encoding:
             f"{path} is damaged (wrong checksum): "
             "restore it from the repository (git checkout data/)"
         )
-    ranks = {
-        base64.b64decode(token): int(rank)
-        for token, rank in (line.split() for line in raw.splitlines() if line)
-    }
+    ranks = {}
+    for line in raw.splitlines():
+        if not line:
+            continue
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
     return tiktoken.Encoding(
-        name=name, pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)}
+        name=name,
+        pat_str=GPT2_PAT,
+        mergeable_ranks=ranks,
+        special_tokens={EOT: len(ranks)},
     )
 
 
@@ -54,7 +61,10 @@ def get_encoding(name: str) -> tiktoken.Encoding:
     if name == "bytes":
         ranks = {bytes([i]): i for i in range(256)}
         return tiktoken.Encoding(
-            name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 256}
+            name="bytes",
+            pat_str=GPT2_PAT,
+            mergeable_ranks=ranks,
+            special_tokens={EOT: 256},
         )
     if name == "gpt2":
         return _bpe("gpt2", GPT2_FILE)
@@ -66,9 +76,9 @@ def get_encoding(name: str) -> tiktoken.Encoding:
 
 
 def portable_name(tokenizer: str, dataset_dir: str) -> str:
-    """The tokenizer as meta.json stores it: a name, or a .tiktoken file's path relative to the
-    dataset dir (never an absolute path, so the dataset can move to another machine along with its
-    tokenizer file)."""
+    """The tokenizer as meta.json stores it: a name, or a .tiktoken file's path relative to
+    the dataset dir (never an absolute path, so the dataset can move to another machine
+    along with its tokenizer file)."""
     if tokenizer in NAMES:
         return tokenizer
     if os.path.isfile(tokenizer) and os.path.samefile(tokenizer, GPT2_FILE):
@@ -78,4 +88,6 @@ def portable_name(tokenizer: str, dataset_dir: str) -> str:
 
 def resolve_name(name: str, dataset_dir: str) -> str:
     """Inverse of portable_name: what get_encoding takes."""
-    return name if name in NAMES else os.path.normpath(os.path.join(dataset_dir, name))
+    if name in NAMES:
+        return name
+    return os.path.normpath(os.path.join(dataset_dir, name))

@@ -49,7 +49,9 @@ def test_left_pad_invariance(hidden):
 @torch.no_grad()
 def generate_no_cache(model, query, n, eos=None, noise=None, temperature=1.0):
     """Reference decoding: a full forward pass over the whole sequence at every step."""
-    seq, done, out = query, torch.zeros(len(query), dtype=torch.bool), []
+    seq = query
+    done = torch.zeros(len(query), dtype=torch.bool)
+    out = []
     for t in range(n):
         mask = (torch.arange(seq.size(1)) >= query.size(1)) | (seq != PAD)
         token = gpt2.sample_token(model(seq, mask)[:, -1], noise[:, t], temperature)
@@ -61,7 +63,9 @@ def generate_no_cache(model, query, n, eos=None, noise=None, temperature=1.0):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_generate_matches_no_cache_and_stops_at_eos(temperature):
-    model, n, query = tiny_model(), 12, batch()[1]
+    model = tiny_model()
+    n = 12
+    query = batch()[1]
     noise = torch.rand(len(query), n, generator=torch.Generator().manual_seed(3))
     full = gpt2.generate(model, query, PAD, n, None, temperature, noise)
     assert torch.equal(full.response, generate_no_cache(model, query, n, None, noise, temperature))
@@ -90,7 +94,9 @@ def test_sample_token():
     logits = 3 * torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
     assert torch.equal(gpt2.sample_token(logits, None, temperature=0.0), logits.argmax(-1))
     assert gpt2.sample_token(logits, torch.zeros(6)).tolist() == [0] * 6  # u = 0: the first id
-    g, N, row = torch.Generator().manual_seed(0), 200_000, torch.tensor([[1.0, 0.0, -1.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    N = 200_000
+    row = torch.tensor([[1.0, 0.0, -1.0, 2.0]])
     for temperature in (1.0, 2.0):
         sampled = gpt2.sample_token(row.expand(N, -1), torch.rand(N, generator=g), temperature)
         freq = torch.bincount(sampled, minlength=4).float() / N
@@ -286,10 +292,8 @@ def test_trim_padding_equals_the_two_sync_version():
         query = torch.where(torch.arange(6) >= 6 - lengths, 5, PAD)  # 0 to 6 real tokens
         response = torch.randint(0, 5, (4, 6), generator=g)  # stop token 4, or none
         for eos in (None, 4):
-            got, expected = (
-                gpt2.trim_padding(query, response, PAD, eos),
-                two_syncs(query, response, PAD, eos),
-            )
+            got = gpt2.trim_padding(query, response, PAD, eos)
+            expected = two_syncs(query, response, PAD, eos)
             assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
@@ -323,7 +327,9 @@ def test_onednn_gemms_equal_torch_gemms(monkeypatch, n_logits):
 def test_generate_calls_the_blocks_without_hooks():
     """Under FSDP2 a hook runs around every block at every token, which makes decoding bound by the
     CPU: generate gathers the weights once (`unsharded`) and calls the blocks directly."""
-    model, query, calls = tiny_model(), batch()[1], []
+    model = tiny_model()
+    query = batch()[1]
+    calls = []
     model.transformer.h[0].register_forward_pre_hook(lambda *args: calls.append(1))
     gpt2.generate(model, query, PAD, 5, temperature=0.0)
     assert calls == [] and model.hooks  # and back to normal afterwards
@@ -337,7 +343,11 @@ def test_no_padding_takes_the_causal_kernel_with_no_mask(monkeypatch):
     model, idx = tiny_model(), batch((6, 6, 6))[1]  # equal lengths: no pad
     masks = []
     sdpa = F.scaled_dot_product_attention
-    record = lambda q, k, v, mask, **kw: masks.append(mask) or sdpa(q, k, v, mask, **kw)
+
+    def record(q, k, v, mask, **kw):
+        masks.append(mask)
+        return sdpa(q, k, v, mask, **kw)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", record)
     full = model(idx, torch.ones_like(idx, dtype=torch.bool))
     assert all(m is None for m in masks)
