@@ -315,6 +315,10 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_
         (["--num_minibatches", "3"], "num_minibatches"),
         (["--response_length", "100"], "exceed"),
         (["--temperature", "0"], "--temperature"),
+        (["--temperature", "nan"], "--temperature nan"),
+        (["--lr", "-1"], "--lr -1"),
+        (["--batch_size", "0"], "--batch_size 0"),
+        (["--gamma", "1.5"], "--gamma 1.5"),
         (["--lr", "1e12"], "non-finite PPO statistics at update 1"),  # diverges at once
     ],
 )
@@ -324,7 +328,7 @@ def test_bad_flags_give_one_line_errors(models, tmp_path, flags, expected):
     assert p.returncode == 1 and expected in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     # a flag or model problem leaves no run dir (one that needs --overwrite); the NaN comes later
-    assert (tmp_path / "x").exists() == ("--lr" in flags)
+    assert (tmp_path / "x").exists() == ("1e12" in flags)
 
 
 def test_missing_default_models_say_what_to_run(models, tmp_path):
