@@ -114,19 +114,26 @@ class Args:
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """GAE (Schulman et al. 2016): A_t = sum_{s >= t} (gamma lam)^(s - t) delta_s,
-    delta_t = r_t + gamma V_{t+1} - V_t, with V = 0 after the last real token; here as one
-    matmul with a (T, T) discount matrix.
+    """GAE (Schulman et al. 2016) as the reversed loop of lm-human-preferences and
+    CleanRL: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1},
+    with V = 0 after the last real token; the returns are A_t + V_t.
     rewards, values, mask (B, T) -> advantages, returns (B, T), 0 after the last token."""
     values = values * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
-    deltas = (rewards + gamma * next_values - values) * mask
-    t = torch.arange(rewards.size(1), device=rewards.device)
-    # lag[s, t] = s - t
-    lag = (t[:, None] - t[None, :]).double()
-    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), 0.0)
-    advantages = (deltas.double() @ discount).to(rewards.dtype) * mask
-    returns = (advantages + values) * mask
+    response_length = rewards.size(1)
+    lastgaelam = torch.zeros_like(rewards[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(response_length)):
+        if t + 1 < response_length:
+            next_values = values[:, t + 1]
+        else:
+            next_values = 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        # Padding adds nothing: A_t of the last real token is its own delta.
+        delta = delta * mask[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], 1) * mask
+    returns = advantages + values
     return advantages, returns
 
 
