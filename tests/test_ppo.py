@@ -1,10 +1,10 @@
 """ppo.py: GAE vs a scalar loop and vs the discount-matrix closed form, masked whitening, the KL
 controller, the per-token rewards and the missing-stop penalty, PPO invariants, dual-clip by
-hand, the inline AdamTF vs adam_tf.py, pad != eos, a tiny end-to-end run (adaptive KL, dual-
-clip, adaptive entropy bonus, the preference-pair eval, checkpoints, resume == uninterrupted
-with AdamTF), the reference = the starting policy, 1 process == 2 ranks (FSDP2, gloo) with the
-first minibatch's ratio exactly 1, a 2-rank checkpoint resumed at 2 ranks and at 1, one-line
-errors. Log-probs at the temperature: tests/test_gpt2.py."""
+hand, the inline AdamTF vs adam_tf.py, pad != eos, a tiny end-to-end run (adaptive KL,
+dual-clip, adaptive entropy bonus, the preference-pair eval, checkpoints, resume ==
+uninterrupted with AdamTF), the reference = the starting policy, 1 process == 2 ranks (FSDP2,
+gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint resumed at 2 ranks and at
+1, one-line errors. Log-probs at the temperature: tests/test_gpt2.py."""
 
 import json
 import os
