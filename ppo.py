@@ -1,33 +1,39 @@
-"""PPO from human feedback (RLHF): a policy trained against a frozen reward model, with a per-token
-KL penalty to the model it started from.
+"""PPO from human feedback (RLHF): a policy trained against a frozen reward model,
+with a per-token KL penalty to the model it started from.
 
-Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", lm-human-preferences)
-and Stiennon et al. 2020, with the details of Huang et al. 2023 ("The N Implementation Details of
-RLHF with PPO"). Four models: the policy, the reference (a frozen copy of the starting policy), the
-reward model (frozen) and the value model (a copy of the reward model). Each update, as in main:
-  1. generate one response per prompt at --temperature (training log-probs use logits / T too)
-  2. truncate at the first stop token: what follows is padding, masked out of everything below
-  3. score: log-probs under policy and reference, values, the reward model's score at the stop
-     token (--penalty_reward_value instead for a response that never stops)
-  4. per-token rewards -kl_coef (log π - log π_ref), plus the score at the last token (eq. 2)
+Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences",
+lm-human-preferences) and Stiennon et al. 2020, with the details of Huang et al. 2023
+("The N Implementation Details of RLHF with PPO"). Four models: the policy, the
+reference (a frozen copy of the starting policy), the reward model (frozen) and the
+value model (a copy of the reward model). Each update, as in main:
+  1. generate one response per prompt at --temperature (training log-probs use it too)
+  2. truncate at the first stop token: what follows is padding, masked out below
+  3. score: log-probs under policy and reference, values, the reward model's score at
+     the stop token (--penalty_reward_value for a response that never stops)
+  4. per-token rewards -kl_coef (log π - log π_ref), plus the score at the last token
+     (Ziegler et al. eq. 2)
   5. rewards whitened (scale only), GAE (Schulman et al. 2016), advantages whitened
-  6. --num_ppo_epochs over --num_minibatches: clipped policy loss + vf_coef * clipped value loss
+  6. --num_ppo_epochs, each over --num_minibatches shuffled minibatches: the clipped
+     policy loss + vf_coef * the clipped value loss
   7. log; kl_coef moves towards --target_kl (Ziegler et al. section 2.2)
-Choices: a value model of its own (Stiennon et al.; lm-human-preferences puts the value head on the
-policy) with lm-human-preferences' zero head; TensorFlow's Adam (adam_tf.py), eps 1e-5, no gradient
-clipping, lr decaying to 0; whitening over the global batch's tokens (lm-human-preferences: each
-minibatch on each rank), so 1 and N ranks make the same update with --num_minibatches 1. Options as
-in grpo.py: --dual_clip (arXiv 1912.09729), an entropy bonus --entropy_coef, adaptive with
---entropy_target (Skywork-OR1, arXiv 2505.22312); eval/preference_accuracy where pref_test exists.
 
-    python ppo.py                      # from runs/sft/latest and runs/reward/latest, offline task
+Choices: a value model of its own (Stiennon et al.; lm-human-preferences puts the value
+head on the policy) with lm-human-preferences' zero head; TensorFlow's Adam
+(adam_tf.py), eps 1e-5, no gradient clipping, lr decaying to 0; whitening over the
+global batch's tokens (lm-human-preferences: each minibatch on each rank), so 1 and N
+ranks make the same update with --num_minibatches 1. Options as in grpo.py:
+--dual_clip (arXiv 1912.09729), an entropy bonus --entropy_coef, adaptive with
+--entropy_target (Skywork-OR1, arXiv 2505.22312); eval/preference_accuracy where
+pref_test exists.
+
+    python ppo.py                      # from runs/sft/latest and runs/reward/latest
     python ppo.py --no-adaptive_kl --kl_coef 0.05            # a fixed KL coefficient
     torchrun --nproc_per_node=2 ppo.py                       # FSDP2 over 2 ranks
-    python ppo.py --model runs/sft/<run> --reward_model runs/reward/<run> --data DIR --lr 3e-6
-    python ppo.py --resume --out_dir runs/ppo/<run>          # continue from the last checkpoint
+    python ppo.py --model runs/sft/<run> --reward_model runs/reward/<run> --data DIR
+    python ppo.py --resume --out_dir runs/ppo/<run>          # continue a run
 
-Names follow lm-human-preferences and TRL's PPO (update, --num_ppo_epochs, --cliprange): grpo.py's
-step, --num_epochs and --clip_eps_low/high mean the same.
+Names follow lm-human-preferences and TRL's PPO (update, --num_ppo_epochs,
+--cliprange): grpo.py's step, --num_epochs and --clip_eps_low/high mean the same.
 """
 
 import atexit
@@ -36,11 +42,13 @@ import fcntl
 import functools
 import glob
 import json
+import math
 import os
 import shutil
 import signal
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -58,21 +66,17 @@ import gpt2
 @dataclass
 class Args:
     model: str = "runs/sft/latest"  # policy to start from; a frozen copy is the reference
-    reward_model: str = (
-        "runs/reward/latest"  # reward model from reward.py; a copy starts the value model
-    )
-    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
+    reward_model: str = "runs/reward/latest"  # from reward.py; a copy is the value model
+    data: str = "arithmetic"  # `arithmetic` (built in) or a `python -m data.prep` dir
     out_dir: str = ""  # run directory; default a fresh runs/ppo/<time>-s<seed>
     overwrite: bool = False  # delete the run already in --out_dir and start afresh
-    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
-    seed: int = 1  # seed of the prompts, the sampling and the shuffles (the same on every rank)
-    lr: float = 1e-5  # learning rate of policy and value (lm-human-preferences: 5e-6 on GPT-2)
+    resume: bool = False  # continue the run in --out_dir from its last checkpoint
+    seed: int = 1  # seed of the prompts, the samples and the shuffles (same on every rank)
+    lr: float = 1e-5  # policy and value learning rate (lm-human-preferences: 5e-6)
     eps: float = 1e-5  # Adam epsilon (lm-human-preferences' 1e-5)
-    optimizer: Literal["adam_tf", "adam"] = (
-        "adam_tf"  # TensorFlow's Adam (lm-human-preferences) or torch's
-    )
+    optimizer: Literal["adam_tf", "adam"] = "adam_tf"  # TensorFlow's Adam or torch's
     anneal_lr: bool = True  # decay the learning rate linearly to 0 over the run
-    total_episodes: int = 16384  # prompts to train on; updates = total_episodes / batch_size
+    total_episodes: int = 16384  # prompts to train on: total_episodes / batch_size updates
     batch_size: int = 128  # prompts per rollout and PPO update, over all ranks
     num_minibatches: int = 2  # minibatches (optimizer steps) per PPO epoch
     num_ppo_epochs: int = 4  # passes over each rollout batch
@@ -87,23 +91,21 @@ class Args:
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     cliprange: float = 0.2  # PPO policy ratio clip
-    dual_clip: float | None = None  # cap a token's loss at -this x A where A < 0 (verl: 3.0)
+    dual_clip: float | None = None  # cap the loss at -this x A where A < 0 (verl: 3.0)
     cliprange_value: float = 0.2  # value prediction clip around the rollout's values
     vf_coef: float = 0.1  # weight of the value loss
-    entropy_coef: float = 0.0  # the loss minus this x the token mean entropy (an entropy bonus)
-    entropy_target: float | None = None  # adapt --entropy_coef toward this entropy (Skywork-OR1)
-    entropy_coef_delta: float = 0.005  # --entropy_target's step of the coefficient per update
+    entropy_coef: float = 0.0  # an entropy bonus: the loss minus this x the mean entropy
+    entropy_target: float | None = None  # adapt --entropy_coef toward it (Skywork-OR1)
+    entropy_coef_delta: float = 0.005  # --entropy_target's coefficient step per update
     whiten_rewards: bool = True  # whiten (scale only) per-token rewards before GAE
-    value_head: Literal["zero", "reward"] = (
-        "zero"  # value head init: zeros or the reward model's head
-    )
+    value_head: Literal["zero", "reward"] = "zero"  # zeros, or the reward model's head
     eval_every: int = 16  # updates between evals and checkpoints
-    eval_size: int = 500  # held-out prompts for the greedy eval score and accuracy (0: no eval)
+    eval_size: int = 500  # held-out prompts for the greedy eval (0: no eval)
     log_every: int = 4  # updates between status lines and metrics rows
-    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (at least 1)
-    dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
-    compile: bool = False  # torch.compile the policy's and the value model's training forwards
-    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
+    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, else fp32
+    compile: bool = False  # torch.compile the training forwards of policy and value
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
@@ -112,74 +114,106 @@ class Args:
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """GAE (Schulman et al. 2016): A_t = sum_{s >= t} (gamma lam)^(s - t) delta_s, delta_t = r_t +
-    gamma V_{t+1} - V_t, as one matmul with a (T, T) discount matrix; V = 0 after the last real
-    token. rewards, values, mask (B, T) -> advantages, returns (B, T), 0 after the last token."""
+    """GAE (Schulman et al. 2016) as the reversed loop of lm-human-preferences and
+    CleanRL: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1},
+    with V = 0 after the last real token; the returns are A_t + V_t.
+    rewards, values, mask (B, T) -> advantages, returns (B, T), 0 after the last token."""
     values = values * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
-    deltas = (rewards + gamma * next_values - values) * mask
-    t = torch.arange(rewards.size(1), device=rewards.device)
-    lag = (t[:, None] - t[None, :]).double()  # [s, t] = s - t
-    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), 0.0)
-    advantages = (deltas.double() @ discount).to(rewards.dtype) * mask
-    return advantages, (advantages + values) * mask
+    response_length = rewards.size(1)
+    lastgaelam = torch.zeros_like(rewards[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(response_length)):
+        if t + 1 < response_length:
+            next_values = values[:, t + 1]
+        else:
+            next_values = 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        # Padding adds nothing: A_t of the last real token is its own delta.
+        delta = delta * mask[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], 1) * mask
+    returns = advantages + values
+    return advantages, returns
 
 
 def masked_whiten(x, mask, shift_mean=True):
-    """(x - mean) / std over the entries where mask is True, summed over ranks; 0 elsewhere.
-    shift_mean=False adds the mean back (lm-human-preferences' reward whitening)."""
+    """(x - mean) / std over the entries where mask is True, summed over ranks; 0
+    elsewhere. shift_mean=False adds the mean back (lm-human-preferences' reward
+    whitening)."""
     m = mask.double()
-    stats = all_reduce(torch.stack([(x * m).sum(), (x.double() ** 2 * m).sum(), m.sum()]))
-    mean = stats[0] / stats[2]
-    var = stats[1] / stats[2] - mean**2  # population variance, as tf.nn.moments
+    x_sum = (x * m).sum()
+    x_squared_sum = (x.double() ** 2 * m).sum()
+    sums = all_reduce(torch.stack([x_sum, x_squared_sum, m.sum()]))
+    count = sums[2]
+    mean = sums[0] / count
+    # The population variance, as tf.nn.moments.
+    var = sums[1] / count - mean**2
     whitened = (x.double() - mean) * torch.rsqrt(var + 1e-8)
-    return ((whitened if shift_mean else whitened + mean) * m).to(x.dtype)
+    if not shift_mean:
+        whitened = whitened + mean
+    return (whitened * m).to(x.dtype)
 
 
 def policy_loss(new_logprobs, logprobs, advantages, cliprange, dual_clip=None):
-    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss, all (B, T);
-    dual-clip (Ye et al. 2020, arXiv 1912.09729) caps the loss where A < 0 at -dual_clip A.
-    Returns the losses, the ratios and where the clipped term was the larger loss (clipfrac)."""
+    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss, all
+    (B, T). Returns the losses, the ratios and where the clipped term was the larger
+    loss (clipfrac)."""
     ratio = torch.exp(new_logprobs - logprobs)
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = torch.max(pg_losses, pg_losses2)
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = torch.max(pg_losses, pg_losses_clipped)
     if dual_clip is not None:
-        loss = torch.where(advantages < 0, loss.minimum(-dual_clip * advantages), loss)
-    return loss, ratio, pg_losses2 > pg_losses
+        # Dual-clip (Ye et al. 2020, arXiv 1912.09729): where A < 0 the loss grows without
+        # bound with the ratio; cap it at -dual_clip A.
+        capped = loss.minimum(-dual_clip * advantages)
+        loss = torch.where(advantages < 0, capped, loss)
+    clipped = pg_losses_clipped > pg_losses
+    return loss, ratio, clipped
 
 
 def value_loss(vpred, values, returns, cliprange_value):
-    """Clipped value loss per token (lm-human-preferences): the prediction moves at most
-    cliprange_value from the rollout's value; the larger error counts. -> losses, where clipped."""
-    vpred_clipped = values + torch.clamp(vpred - values, -cliprange_value, cliprange_value)
-    vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpred_clipped - returns) ** 2
-    return 0.5 * torch.max(vf_losses1, vf_losses2), vf_losses2 > vf_losses1
+    """Clipped value loss per token (lm-human-preferences): the prediction moves at
+    most cliprange_value from the rollout's value; the larger error counts.
+    -> losses, where clipped."""
+    change = torch.clamp(vpred - values, -cliprange_value, cliprange_value)
+    vpred_clipped = values + change
+    vf_losses = (vpred - returns) ** 2
+    vf_losses_clipped = (vpred_clipped - returns) ** 2
+    loss = 0.5 * torch.max(vf_losses, vf_losses_clipped)
+    clipped = vf_losses_clipped > vf_losses
+    return loss, clipped
 
 
 def per_token_rewards(scores, logprobs, ref_logprobs, mask, kl_coef):
-    """Ziegler et al. 2019 eq. 2: r_t = -kl_coef (log π(y_t) - log π_ref(y_t)), plus the score (B,)
-    at the last real token. -> rewards, their KL part (non_score_reward), KL; (B, T), 0 after it."""
+    """Ziegler et al. 2019 eq. 2: r_t = -kl_coef (log π(y_t) - log π_ref(y_t)), plus
+    the score (B,) at the last real token. -> rewards, their KL part
+    (non_score_reward), KL; all (B, T), 0 after the last token."""
     kl = (logprobs - ref_logprobs) * mask
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    rewards[torch.arange(len(scores), device=scores.device), mask.sum(1) - 1] += scores
+    rows = torch.arange(len(scores), device=scores.device)
+    last = mask.sum(1) - 1
+    rewards[rows, last] += scores
     return rewards, non_score_reward, kl
 
 
 def adaptive_kl_coef(kl_coef, kl, target, n_steps, horizon):
-    """Ziegler et al. 2019 section 2.2: beta <- beta (1 + e n_steps / horizon), e = clip(KL / target
-    - 1, -0.2, 0.2), for a batch of n_steps episodes whose mean KL is `kl`."""
+    """Ziegler et al. 2019 section 2.2: beta <- beta (1 + e n_steps / horizon), with
+    e = clip(KL / target - 1, -0.2, 0.2), for a batch of n_steps episodes whose mean
+    KL is `kl`."""
     error = float(np.clip(kl / target - 1, -0.2, 0.2))
     return kl_coef * (1 + error * n_steps / horizon)
 
 
 def penalised_scores(scores, response, eos_token_id, penalty):
-    """Scores (B,), with `penalty` instead for a response with no stop token (lm-human-preferences'
-    penalty_reward_value: the reward model never saw a truncated response); None: no change."""
+    """Scores (B,), with `penalty` instead for a response with no stop token
+    (lm-human-preferences' penalty_reward_value: the reward model never saw a
+    truncated response); None: no change."""
     if penalty is None:
         return scores
-    return torch.where((response == eos_token_id).any(1), scores, torch.full_like(scores, penalty))
+    stopped = (response == eos_token_id).any(1)
+    return torch.where(stopped, scores, torch.full_like(scores, penalty))
 
 
 def adaptive_entropy_coef(coef, entropy, target, delta):
@@ -191,50 +225,75 @@ def adaptive_entropy_coef(coef, entropy, target, delta):
 
 
 def forward_values(model, query, response, pad_token_id, eos_token_id):
-    """A value model's values (B, Tr) at the positions that predict each response token (as
-    gpt2.logprobs' log-probs): the last token is only predicted, so it is no input."""
-    mask = torch.cat([query != pad_token_id, gpt2.response_mask(response, eos_token_id)], 1)
+    """A value model's values (B, Tr) at the positions that predict each response
+    token (as gpt2.logprobs' log-probs): the last token is only predicted, so it is no
+    input."""
+    query_mask = query != pad_token_id
+    response_mask = gpt2.response_mask(response, eos_token_id)
+    mask = torch.cat([query_mask, response_mask], 1)
     inputs = torch.cat([query, response[:, :-1]], 1)
     return model(inputs, mask[:, :-1], keep_from=query.size(1) - 1)
 
 
 def adam_tf_step(p, g, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps):
-    """One TensorFlow Adam update, in place on p, m, v. The arguments are those of TF's `ApplyAdam`.
+    """One TensorFlow Adam update, in place on p, m, v. The arguments are those
+    of TF's `ApplyAdam`.
 
-    beta1_power, beta2_power = beta1**t, beta2**t at step t = 1, 2, ... (passed in, not derived from
-    t, so a caller can reproduce TF's own bookkeeping). Element-wise ops only, so it runs unchanged
-    on FSDP2 DTensor shards. m and v may be fp32 for a bf16 p: the update is computed in m's dtype
-    and rounded into p once.
+    beta1_power, beta2_power = beta1**t, beta2**t at step t = 1, 2, ... (passed
+    in, not derived from t, so a caller can reproduce TF's own bookkeeping).
+    Element-wise ops only, so it runs unchanged on FSDP2 DTensor shards. m and v
+    may be fp32 for a bf16 p: the update is computed in m's dtype and rounded
+    into p once.
     """
     g = g.to(m.dtype)
-    m.mul_(beta1).add_(g, alpha=1 - beta1)  # m_t = beta1 m + (1 - beta1) g
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v_t = beta2 v + (1 - beta2) g^2
+    # m_t = beta1 m + (1 - beta1) g
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    # v_t = beta2 v + (1 - beta2) g^2
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     # TF folds both bias corrections into the step size instead of correcting m and v.
     lr_t = lr * (1 - beta2_power) ** 0.5 / (1 - beta1_power)
-    p.sub_((m * lr_t) / (v.sqrt() + eps))  # eps on the *uncorrected* sqrt(v): the paper's eps_hat
+    # eps goes on the *uncorrected* sqrt(v): the paper's eps_hat.
+    p.sub_((m * lr_t) / (v.sqrt() + eps))
 
 
 class AdamTF(torch.optim.Optimizer):
-    """TensorFlow's Adam, adam_tf.py's copied (see there how it differs from torch's). State per
-    parameter: `step`, `m`, `v` (fp32 for bf16), made like the parameter: under FSDP2, its shard."""
+    """TensorFlow's Adam, adam_tf.py's copied (see there how it differs from torch's).
+    State per parameter: `step`, `m`, `v` (fp32 for a bf16 parameter), made like the
+    parameter: under FSDP2, its shard."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps)
+        super().__init__(params, defaults)
 
+    # torch.distributed.checkpoint calls step(closure=None).
     @torch.no_grad()
-    def step(self, closure=None):  # torch.distributed.checkpoint calls step(closure=None)
+    def step(self, closure=None):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in (p for p in group["params"] if p.grad is not None):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
                 state = self.state[p]
                 if not state:
-                    dtype = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
-                    state.update(step=0, m=torch.zeros_like(p, dtype=dtype))
+                    low_precision = p.dtype in (torch.bfloat16, torch.float16)
+                    dtype = torch.float32 if low_precision else p.dtype
+                    state["step"] = 0
+                    state["m"] = torch.zeros_like(p, dtype=dtype)
                     state["v"] = torch.zeros_like(p, dtype=dtype)
                 state["step"] += 1
-                t, lr = state["step"], group["lr"]
-                m, v = state["m"], state["v"]
-                adam_tf_step(p, p.grad, m, v, beta1**t, beta2**t, lr, beta1, beta2, group["eps"])
+                t = state["step"]
+                adam_tf_step(
+                    p,
+                    p.grad,
+                    state["m"],
+                    state["v"],
+                    beta1_power=beta1**t,
+                    beta2_power=beta2**t,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                )
 
 
 def all_reduce(x):
@@ -242,6 +301,13 @@ def all_reduce(x):
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_dict(sums):
+    """{name: scalar tensor} summed over ranks in one collective -> {name: float}."""
+    names = list(sums)
+    total = all_reduce(torch.stack([sums[name].float() for name in names]))
+    return dict(zip(names, total.tolist()))
 
 
 def shard(model, device, bf16, frozen=False):
@@ -267,14 +333,46 @@ def shard(model, device, bf16, frozen=False):
     return fully_shard(model, mp_policy=root_mp)
 
 
-def check_args(args):  # the flags' problems, found before any heavy work
+def check_args(args):
+    """The flags' problems, found before any heavy work: one line naming the flag."""
     for stage, path in (("sft", args.model), ("reward", args.reward_model)):
         if path == f"runs/{stage}/latest" and not os.path.exists(path):
             raise RunError(f"no {stage} model at '{path}': run `python {stage}.py` first")
-    if args.temperature <= 0 or (args.adaptive_kl and args.target_kl <= 0):
-        raise RunError("--temperature and --target_kl must be > 0")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise RunError("--dual_clip must be > 1")
+
+    def bad_flag(flag, problem):
+        value = getattr(args, flag)
+        default = getattr(Args, flag)
+        return RunError(f"--{flag} {value}: {problem}; pass another, e.g. the default {default}")
+
+    sizes = ["total_episodes", "batch_size", "num_minibatches", "num_ppo_epochs"]
+    sizes += ["micro_batch_size", "response_length", "kl_horizon"]
+    sizes += ["eval_every", "log_every", "keep_checkpoints"]
+    for flag in sizes:
+        if getattr(args, flag) < 1:
+            raise bad_flag(flag, "must be at least 1")
+    if args.seed < 0:
+        raise bad_flag("seed", "must be at least 0")
+    if args.eval_size < 0:
+        raise bad_flag("eval_size", "must be at least 0 (0: no eval)")
+    # Coefficients and rates. `not value >= 0` is also true for NaN.
+    for flag in ["lr", "kl_coef", "vf_coef", "entropy_coef", "entropy_coef_delta"]:
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value >= 0):
+            raise bad_flag(flag, "must be a finite number >= 0")
+    for flag in ["eps", "temperature", "target_kl", "cliprange", "cliprange_value"]:
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise bad_flag(flag, "must be a finite number > 0")
+    for flag in ["gamma", "lam"]:
+        if not 0 <= getattr(args, flag) <= 1:
+            raise bad_flag(flag, "must be in [0, 1]")
+    for flag in ["penalty_reward_value", "entropy_target"]:
+        value = getattr(args, flag)
+        if value is not None and not math.isfinite(value):
+            raise bad_flag(flag, "must be a finite number or None")
+    dual_clip = args.dual_clip
+    if dual_clip is not None and not (math.isfinite(dual_clip) and dual_clip > 1):
+        raise bad_flag("dual_clip", "must be a finite number > 1, or None (verl uses 3)")
 
 
 def main(args: Args):
@@ -288,71 +386,105 @@ def main(args: Args):
     micro_batch_size = min(args.micro_batch_size, local_mini_batch_size)
     grad_accum = data.exact_div(local_mini_batch_size, micro_batch_size, "--micro_batch_size")
     num_updates = data.exact_div(args.total_episodes, args.batch_size, "--total_episodes")
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
+    on_cuda = device.type == "cuda"
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and on_cuda)
+    # With bf16 off, the autocast context is a no-op.
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     torch.manual_seed(args.seed)
 
     # 2. data
     meta = data.load_meta(args.data)
-    prompts, test = (data.load_split(args.data, f"prompt_{split}") for split in ("train", "test"))
-    pad, eos, n_prompts = meta["pad_token_id"], meta["eos_token_id"], len(prompts["query"])
+    prompts = data.load_split(args.data, "prompt_train")
+    test = data.load_split(args.data, "prompt_test")
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+    n_prompts = len(prompts["query"])
     if n_prompts < args.batch_size:
         raise RunError(f"prompt_train has {n_prompts} prompts, fewer than --batch_size")
 
-    # 3. models, then the run directory (a bad --model leaves none): the policy, the reference (a
-    # copy: a random `tiny` is its own reference), the reward model, the value model (its copy)
-    # each built once: rank 0 reads the weights, every rank's shard gets them (gpt2.load)
-    trained, frozen = (lambda m: shard(m, device, bf16)), (lambda m: shard(m, device, bf16, True))
+    # 3. models, then the run directory (a bad --model leaves none): the policy, the
+    # reference (a copy: a random `tiny` is its own reference), the reward model, the
+    # value model (its copy), each built once: rank 0 reads the weights, every rank's
+    # shard gets them (gpt2.load).
+    trained = functools.partial(shard, device=device, bf16=bf16)
+    frozen = functools.partial(shard, device=device, bf16=bf16, frozen=True)
     policy = gpt2.load(args.model, meta, shard=trained)
-    torch.manual_seed(args.seed)  # `--model tiny`: the policy's random init again
+    # `--model tiny` draws the policy's random init again: the reference is a copy of it.
+    torch.manual_seed(args.seed)
     ref_policy = gpt2.load(args.model, meta, shard=frozen)
     reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=frozen)
     value_model = gpt2.load(args.reward_model, meta, head="saved", shard=trained)
     context = min(policy.config.block_size, reward_model.config.block_size)
     data.check_context(prompts, context, args.response_length)
     args.out_dir = start_run(args, "ppo")
-    if args.value_head == "zero":  # lm-human-preferences' value head: the first values are 0
+    if args.value_head == "zero":
+        # lm-human-preferences' value head: the first values are 0.
         torch.nn.init.zeros_(value_model.score.weight)
         torch.nn.init.zeros_(value_model.score.bias)
-        value_model.reward_gain, value_model.reward_bias = 1.0, 0.0
-    for model in (policy, value_model):
-        model.activation_checkpointing = args.activation_checkpointing
-    optimizers = {"adam_tf": AdamTF, "adam": functools.partial(torch.optim.Adam, fused=True)}
-    optimizer = functools.partial(optimizers[args.optimizer], lr=args.lr, eps=args.eps)
-    policy_opt, value_opt = optimizer(policy.parameters()), optimizer(value_model.parameters())
-    fwd_policy, fwd_value = (torch.compile(m) if args.compile else m for m in (policy, value_model))
+        value_model.reward_gain = 1.0
+        value_model.reward_bias = 0.0
+    policy.activation_checkpointing = args.activation_checkpointing
+    value_model.activation_checkpointing = args.activation_checkpointing
+    # TensorFlow's Adam, as lm-human-preferences trains with; or torch's (adam_tf.py compares).
+    if args.optimizer == "adam_tf":
+        policy_opt = AdamTF(policy.parameters(), lr=args.lr, eps=args.eps)
+        value_opt = AdamTF(value_model.parameters(), lr=args.lr, eps=args.eps)
+    else:
+        policy_opt = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=args.eps, fused=True)
+        value_opt = torch.optim.Adam(value_model.parameters(), lr=args.lr, eps=args.eps, fused=True)
+    fwd_policy = torch.compile(policy) if args.compile else policy
+    fwd_value = torch.compile(value_model) if args.compile else value_model
     models = {"policy": (policy, policy_opt), "value": (value_model, value_opt)}
-    # eval/preference_accuracy's reference: the policy as loaded, before any --resume
-    pref = data.eval_split(args.data, "pref_test", args.eval_size)  # None where absent
+    # eval/preference_accuracy's reference: the policy as loaded, before any --resume.
+    # pref is None where the data has no pref_test split.
+    pref = data.eval_split(args.data, "pref_test", args.eval_size)
     n_pairs = len(pref["query"]) if pref else 0
     ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
-    state = load_checkpoint(args.out_dir, models) if args.resume else {"step": 0}
-    start, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)
-    # the entropy bonus: Skywork-OR1's coefficient, and the one applied (none until below target)
+    if args.resume:
+        state = load_checkpoint(args.out_dir, models)
+    else:
+        state = {"step": 0}
+    start = state["step"]
+    kl_coef = state.get("kl_coef", args.kl_coef)
+    # The entropy bonus: Skywork-OR1's coefficient, and the one applied. Without a
+    # target the bonus is --entropy_coef throughout; with one, none until the entropy
+    # is below it.
     entropy_coef = state.get("entropy_coef", args.entropy_coef)
-    entropy_bonus = state.get("entropy_bonus", args.entropy_coef * (args.entropy_target is None))
+    first_bonus = args.entropy_coef if args.entropy_target is None else 0.0
+    entropy_bonus = state.get("entropy_bonus", first_bonus)
     entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
-
-    temperature, response_length = args.temperature, args.response_length
+    temperature = args.temperature
+    response_length = args.response_length
 
     def evaluate():
-        """Greedy responses to prompt_test (a strided share per rank): mean score, accuracy."""
+        """Greedy responses to prompt_test (a strided share per rank): the mean score
+        and accuracy."""
         n = min(args.eval_size, len(test["query"])) // world_size * world_size
-        idx, sums = np.arange(rank, n, world_size), torch.zeros(2, device=device)
+        idx = np.arange(rank, n, world_size)
+        sums = {}
+        sums["score"] = torch.zeros((), device=device)
+        sums["correct"] = torch.zeros((), device=device)
         for i in data.progress(range(0, len(idx), micro_batch_size), "eval", show=MASTER):
             j = idx[i : i + micro_batch_size]
             query = torch.from_numpy(test["query"][j]).to(device)
             with torch.no_grad(), ctx:
-                response = gpt2.generate(policy, query, pad, response_length, eos, 0.0).response
+                rollout = gpt2.generate(policy, query, pad, response_length, eos, 0.0)
+                response = rollout.response
                 scores = gpt2.get_reward(reward_model, query, response, pad, eos)
-            sums[0] += penalised_scores(scores, response, eos, args.penalty_reward_value).sum()
+            scores = penalised_scores(scores, response, eos, args.penalty_reward_value)
+            sums["score"] += scores.sum()
             if meta.get("task"):
-                sums[1] += sum(data.verify_batch(meta, response.tolist(), test["ground_truth"][j]))
-        score, accuracy = (all_reduce(sums) / max(n, 1)).tolist()
-        metrics = {"eval/score": score} | ({"eval/accuracy": accuracy} if meta.get("task") else {})
+                answers = test["ground_truth"][j]
+                correct = data.verify_batch(meta, response.tolist(), answers)
+                sums["correct"] += sum(correct)
+        totals = all_reduce_dict(sums)
+        metrics = {"eval/score": totals["score"] / max(n, 1)}
+        if meta.get("task"):
+            metrics["eval/accuracy"] = totals["correct"] / max(n, 1)
         if n_pairs:
             logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
-            metrics["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_pair_logps)
+            accuracy = data.preference_accuracy(logps, ref_pair_logps)
+            metrics["eval/preference_accuracy"] = accuracy
         return metrics
 
     show = (
@@ -362,155 +494,234 @@ def main(args: Args):
         "eval/accuracy",
         "perf/episodes_per_sec",
     )
-    if start == 0 and args.eval_size > 0:  # the starting policy's numbers, to compare against
+    if start == 0 and args.eval_size > 0:
+        # The starting policy's numbers, to compare against.
         log_metrics(args.out_dir, 0, evaluate(), show)
 
-    # 4. training loop: one permutation of the prompts per epoch, keyed by (seed, epoch); rank r
-    # takes its slice of each global batch, so any number of ranks sees the same global batches
+    # 4. training loop: one permutation of the prompts per pass over them, keyed by
+    # (seed, pass); rank r takes its slice of each global batch, so any number of ranks
+    # sees the same global batches
     micro_idx = torch.arange(local_batch_size, device=device).split(micro_batch_size)
     rank_rows = slice(rank * local_batch_size, (rank + 1) * local_batch_size)
-    clip, clip_value = args.cliprange, args.cliprange_value
-    t0, episodes = time.time(), 0
+    updates_per_pass = n_prompts // args.batch_size
+    t0 = time.time()
+    episodes = 0
     for update in range(start, num_updates):
         done = update + 1
         eval_now = done % args.eval_every == 0 or done == num_updates
         log_now = done % args.log_every == 0 or update == start or eval_now
-        epoch, k = divmod(update, n_prompts // args.batch_size)
-        order = np.random.default_rng([args.seed, epoch, 1]).permutation(n_prompts)
+        prompt_pass, k = divmod(update, updates_per_pass)
+        order = np.random.default_rng([args.seed, prompt_pass, 1]).permutation(n_prompts)
         local_idx = order[k * args.batch_size :][rank_rows]
-        b_query = torch.from_numpy(prompts["query"][local_idx]).to(device)  # (B, Tq) left-padded
+        # b_query (B, Tq): the prompts, left-padded
+        b_query = torch.from_numpy(prompts["query"][local_idx]).to(device)
         b_query = gpt2.trim_padding(b_query, None, pad)[0]
 
-        # 4.1 generate; the uniforms come from (seed, update): the same samples on 1 or N ranks
-        noise = np.random.default_rng([args.seed, update, 2]).random(
-            (args.batch_size, response_length)
-        )
+        # 4.1 generate; the uniforms come from (seed, update): the same samples on 1 or
+        # N ranks
+        rng = np.random.default_rng([args.seed, update, 2])
+        noise = rng.random((args.batch_size, response_length))
         noise = torch.from_numpy(noise[rank_rows]).float().to(device)
+        responses = []
         with ctx:
-            rollouts = [
-                gpt2.generate(policy, b_query[i], pad, response_length, eos, temperature, noise[i])
-                for i in micro_idx
-            ]
-        b_response = torch.cat([rollout.response for rollout in rollouts])
+            for i in micro_idx:
+                query = b_query[i]
+                rollout = gpt2.generate(
+                    policy, query, pad, response_length, eos, temperature, noise[i]
+                )
+                responses.append(rollout.response)
+        b_response = torch.cat(responses)
 
-        # 4.2 truncate at the first stop token (the mask keeps it); the columns past every stop go
+        # 4.2 truncate at the first stop token (the mask keeps it); the columns past
+        # every stop go
         b_query, b_response = gpt2.trim_padding(b_query, b_response, pad, eos)
-        b_mask = gpt2.response_mask(b_response, eos)  # (B, Tr)
+        # b_mask (B, Tr): the response tokens up to and including the stop token
+        b_mask = gpt2.response_mask(b_response, eos)
 
-        # 4.3 score: log-probs under the policy (from the training forward, so that the first
-        # minibatch's ratio is exactly 1) and the reference, values, the reward model's scores
-        chunks = []
+        # 4.3 score: log-probs under the policy (from the training forward, so that the
+        # first minibatch's ratio is exactly 1) and the reference, values, the reward
+        # model's scores
+        logprobs_parts = []
+        ref_logprobs_parts = []
+        values_parts = []
+        scores_parts = []
         with torch.no_grad(), ctx:
             for i in micro_idx:
-                query, response = b_query[i], b_response[i]
+                query = b_query[i]
+                response = b_response[i]
                 logprobs = gpt2.logprobs(fwd_policy, query, response, temperature)[0]
                 ref_logprobs = gpt2.logprobs(ref_policy, query, response, temperature)[0]
                 values = forward_values(fwd_value, query, response, pad, eos)
                 scores = gpt2.get_reward(reward_model, query, response, pad, eos)
-                chunks.append((logprobs, ref_logprobs, values * b_mask[i], scores))
-        b_logprobs, b_ref_logprobs, b_values, b_scores = (torch.cat(c) for c in zip(*chunks))
+                logprobs_parts.append(logprobs)
+                ref_logprobs_parts.append(ref_logprobs)
+                values_parts.append(values * b_mask[i])
+                scores_parts.append(scores)
+        b_logprobs = torch.cat(logprobs_parts)
+        b_ref_logprobs = torch.cat(ref_logprobs_parts)
+        b_values = torch.cat(values_parts)
+        b_scores = torch.cat(scores_parts)
         b_scores = penalised_scores(b_scores, b_response, eos, args.penalty_reward_value)
 
         # 4.4 per-token rewards: the KL penalty at every token, the score at the last one
         rewards, non_score_reward, kl = per_token_rewards(
-            b_scores, b_logprobs, b_ref_logprobs, b_mask, kl_coef
+            scores=b_scores,
+            logprobs=b_logprobs,
+            ref_logprobs=b_ref_logprobs,
+            mask=b_mask,
+            kl_coef=kl_coef,
         )
-        if args.whiten_rewards:  # scale only: the sign of the summed reward is kept
+        if args.whiten_rewards:
+            # Scale only: the sign of the summed reward is kept.
             rewards = masked_whiten(rewards, b_mask, shift_mean=False)
 
-        # 4.5 GAE advantages and returns; advantages whitened over the global batch's tokens
-        b_advantages, b_returns = compute_gae(rewards, b_values, b_mask, args.gamma, args.lam)
+        # 4.5 GAE advantages and returns; advantages whitened over the global batch's
+        # tokens
+        b_advantages, b_returns = compute_gae(
+            rewards, b_values, b_mask, gamma=args.gamma, lam=args.lam
+        )
         b_advantages = masked_whiten(b_advantages, b_mask)
 
-        # 4.6 PPO epochs over shuffled minibatches, one optimizer step each; the loss is a sum over
-        # tokens / the global minibatch's token count, so any micro-batch split or rank count agrees
+        # 4.6 PPO: K epochs over shuffled minibatches, one optimizer step per minibatch.
+        # The loss is a sum over tokens / the global minibatch's token count, so any
+        # micro-batch split or rank count agrees.
         lr = args.lr * (1 - update / num_updates) if args.anneal_lr else args.lr
         for group in policy_opt.param_groups + value_opt.param_groups:
             group["lr"] = lr
-        token_sums = torch.zeros(8, dtype=torch.float64, device=device)
+        # The entropy on logging updates, and for a bonus on every one.
+        need_entropy = log_now or entropy_in_loss
+        # Sums over the tokens of every epoch and minibatch, in float64.
+        token_sums = defaultdict(float)
         shuffle = np.random.default_rng([args.seed, update, 3])
-        epochs = [shuffle.permutation(local_batch_size) for _ in range(args.num_ppo_epochs)]
-        for mb_idx in torch.from_numpy(np.concatenate(epochs)).split(local_mini_batch_size):
-            n_tokens = all_reduce(b_mask[mb_idx].sum().float())
-            for micro, idx in enumerate(mb_idx.to(device).split(micro_batch_size)):
-                if dist.is_initialized():  # reduce-scatter on the minibatch's last micro-batch
-                    policy.set_requires_gradient_sync(micro == grad_accum - 1)
-                    value_model.set_requires_gradient_sync(micro == grad_accum - 1)
-                query, response, mask = b_query[idx], b_response[idx], b_mask[idx]
-                with ctx:  # the entropy on logging updates, and for a bonus on every one
-                    entropy_now = log_now or entropy_in_loss
-                    new_logprobs, entropy = gpt2.logprobs(
-                        fwd_policy, query, response, temperature, entropy_now
+        for epoch in range(args.num_ppo_epochs):  # noqa: B007
+            permutation = torch.from_numpy(shuffle.permutation(local_batch_size))
+            for mb_idx in permutation.split(local_mini_batch_size):
+                n_tokens = all_reduce(b_mask[mb_idx].sum().float())
+                for micro, idx in enumerate(mb_idx.to(device).split(micro_batch_size)):
+                    if dist.is_initialized():
+                        # FSDP2 reduce-scatters on the minibatch's last micro-batch only.
+                        sync = micro == grad_accum - 1
+                        policy.set_requires_gradient_sync(sync)
+                        value_model.set_requires_gradient_sync(sync)
+                    query = b_query[idx]
+                    response = b_response[idx]
+                    mask = b_mask[idx]
+                    logprobs = b_logprobs[idx]
+                    with ctx:
+                        new_logprobs, entropy = gpt2.logprobs(
+                            fwd_policy, query, response, temperature, need_entropy
+                        )
+                        vpred = forward_values(fwd_value, query, response, pad, eos)
+                    pg_losses, ratio, pg_clipped = policy_loss(
+                        new_logprobs=new_logprobs,
+                        logprobs=logprobs,
+                        advantages=b_advantages[idx],
+                        cliprange=args.cliprange,
+                        dual_clip=args.dual_clip,
                     )
-                    vpred = forward_values(fwd_value, query, response, pad, eos)
-                logprobs, advantages = b_logprobs[idx], b_advantages[idx]
-                pg_losses, ratio, pg_clipped = policy_loss(
-                    new_logprobs, logprobs, advantages, clip, args.dual_clip
-                )
-                vf_losses, vf_clipped = value_loss(vpred, b_values[idx], b_returns[idx], clip_value)
-                losses = pg_losses + args.vf_coef * vf_losses
-                if entropy_bonus:  # a token mean, as the loss
-                    losses = losses - entropy_bonus * entropy
-                loss = (losses * mask).sum()
-                # FSDP2 averages gradients over ranks: times world_size makes sum / global count
-                (loss * world_size / n_tokens).backward()
-                with torch.no_grad():
-                    approxkl = 0.5 * (new_logprobs - logprobs) ** 2
-                    entropy = torch.zeros_like(ratio) if entropy is None else entropy
-                    stats = [pg_losses, vf_losses, approxkl, pg_clipped, vf_clipped, ratio]
-                    stats += [ratio**2, entropy]
-                    token_sums += torch.stack([(x * mask).sum() for x in stats]).double()
-            for optimizer in (policy_opt, value_opt):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                    vf_losses, vf_clipped = value_loss(
+                        vpred=vpred,
+                        values=b_values[idx],
+                        returns=b_returns[idx],
+                        cliprange_value=args.cliprange_value,
+                    )
+                    losses = pg_losses + args.vf_coef * vf_losses
+                    if entropy_bonus:
+                        # The bonus on the token mean entropy, a token mean as the loss.
+                        losses = losses - entropy_bonus * entropy
+                    loss = (losses * mask).sum()
+                    # FSDP2 averages gradients over ranks: times world_size makes
+                    # sum / global count.
+                    (loss * world_size / n_tokens).backward()
 
-        # 4.7 statistics of the global batch in one all-reduce, the KL controller, log, checkpoint
-        stopped, tokens = (b_response == eos).any(1).sum(), b_mask.sum() * args.num_ppo_epochs
-        neg_logprob_sum = -(b_logprobs * b_mask).sum()
-        sums = [kl.sum(), neg_logprob_sum, non_score_reward.sum(), b_scores.sum(), stopped, tokens]
-        sums = all_reduce(torch.cat([torch.stack(sums).double(), token_sums]))
-        if not torch.isfinite(sums).all():
+                    with torch.no_grad():
+                        approxkl = 0.5 * (new_logprobs - logprobs) ** 2
+                        stats = {
+                            "pg_loss": pg_losses,
+                            "vf_loss": vf_losses,
+                            "approxkl": approxkl,
+                            "pg_clipfrac": pg_clipped,
+                            "vf_clipfrac": vf_clipped,
+                            "ratio": ratio,
+                            "ratio_squared": ratio**2,
+                        }
+                        if entropy is not None:
+                            stats["entropy"] = entropy
+                        for name, x in stats.items():
+                            token_sums[name] += (x * mask).sum().double()
+                for optimizer in (policy_opt, value_opt):
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+        # 4.7 statistics of the global batch in one all-reduce, the controllers, log,
+        # checkpoint
+        sums = {
+            "kl": kl.sum(),
+            "neg_logprob": -(b_logprobs * b_mask).sum(),
+            "non_score_reward": non_score_reward.sum(),
+            "scores": b_scores.sum(),
+            "stopped": (b_response == eos).any(1).sum(),
+            "tokens": b_mask.sum() * args.num_ppo_epochs,
+        }
+        sums |= token_sums
+        # As all_reduce_dict, in float64: its float32 would round the token sums.
+        names = list(sums)
+        totals = all_reduce(torch.stack([sums[name].double() for name in names]))
+        totals = dict(zip(names, totals.tolist()))
+        if not all(math.isfinite(total) for total in totals.values()):
             raise RunError(
                 f"non-finite PPO statistics at update {done}: lower --lr and continue with "
                 f"--resume --out_dir {args.out_dir}"
             )
-        kl_sum, neg_logprob_sum, non_score_sum, score_sum, stopped, tokens = sums[:6].tolist()
-        pg_loss, vf_loss, approxkl, pg_clipfrac, vf_clipfrac, ratio, ratio_sq, entropy = (
-            sums[6:] / tokens
-        ).tolist()
+        tokens = totals["tokens"]
+        mean_kl = totals["kl"] / args.batch_size
+        mean_ratio = totals["ratio"] / tokens
+        rlhf_reward = totals["scores"] + totals["non_score_reward"]
         metrics = {
-            "objective/kl": kl_sum / args.batch_size,
-            "objective/entropy": neg_logprob_sum / args.batch_size,
-            "objective/non_score_reward": non_score_sum / args.batch_size,
-            "objective/scores": score_sum / args.batch_size,
-            "objective/rlhf_reward": (score_sum + non_score_sum) / args.batch_size,
+            "objective/kl": mean_kl,
+            "objective/entropy": totals["neg_logprob"] / args.batch_size,
+            "objective/non_score_reward": totals["non_score_reward"] / args.batch_size,
+            "objective/scores": totals["scores"] / args.batch_size,
+            "objective/rlhf_reward": rlhf_reward / args.batch_size,
             "objective/kl_coef": kl_coef,
-            "loss/policy_avg": pg_loss,
-            "loss/value_avg": vf_loss,
-            "policy/approxkl_avg": approxkl,
-            "policy/clipfrac_avg": pg_clipfrac,
-            "val/clipfrac_avg": vf_clipfrac,
-            "val/ratio": ratio,
-            "val/ratio_var": ratio_sq - ratio**2,
-            "val/stop_frac": stopped / args.batch_size,
+            "loss/policy_avg": totals["pg_loss"] / tokens,
+            "loss/value_avg": totals["vf_loss"] / tokens,
+            "policy/approxkl_avg": totals["approxkl"] / tokens,
+            "policy/clipfrac_avg": totals["pg_clipfrac"] / tokens,
+            "val/clipfrac_avg": totals["vf_clipfrac"] / tokens,
+            "val/ratio": mean_ratio,
+            "val/ratio_var": totals["ratio_squared"] / tokens - mean_ratio**2,
+            "val/stop_frac": totals["stopped"] / args.batch_size,
             "train/lr": lr,
         }
         if entropy_in_loss:
             metrics["policy/entropy_coef"] = entropy_bonus
-        if args.entropy_target is not None:  # the next update's coefficient, from this one's
-            delta = (args.entropy_target, args.entropy_coef_delta)
-            entropy_coef, entropy_bonus = adaptive_entropy_coef(entropy_coef, entropy, *delta)
+        if args.entropy_target is not None:
+            # The next update's coefficient, from this update's entropy.
+            mean_entropy = totals["entropy"] / tokens
+            entropy_coef, entropy_bonus = adaptive_entropy_coef(
+                coef=entropy_coef,
+                entropy=mean_entropy,
+                target=args.entropy_target,
+                delta=args.entropy_coef_delta,
+            )
         if args.adaptive_kl:
-            kl_mean, horizon = metrics["objective/kl"], args.kl_horizon
-            kl_coef = adaptive_kl_coef(kl_coef, kl_mean, args.target_kl, args.batch_size, horizon)
+            kl_coef = adaptive_kl_coef(
+                kl_coef=kl_coef,
+                kl=mean_kl,
+                target=args.target_kl,
+                n_steps=args.batch_size,
+                horizon=args.kl_horizon,
+            )
         episodes += args.batch_size
         if log_now:
-            metrics["policy/entropy_avg"] = entropy
+            metrics["policy/entropy_avg"] = totals["entropy"] / tokens
             metrics["perf/episodes_per_sec"] = episodes / (time.time() - t0)
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
             log_metrics(args.out_dir, done, metrics, show)
-            t0, episodes = time.time(), 0
+            t0 = time.time()
+            episodes = 0
         extra = dict(kl_coef=kl_coef, entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
         checkpoint(args, done, models, device, due=eval_now, extra=extra)
 

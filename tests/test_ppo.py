@@ -1,9 +1,10 @@
-"""ppo.py: GAE vs a loop, masked whitening, the KL controller, the per-token rewards and the
-missing-stop penalty, PPO invariants, dual-clip by hand, the inline AdamTF vs adam_tf.py, pad !=
-eos, a tiny end-to-end run (adaptive KL, dual-clip, adaptive entropy bonus, the preference-pair
-eval, checkpoints, resume == uninterrupted with AdamTF), the reference = the starting policy, 1
-process == 2 ranks (FSDP2, gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint
-resumed at 2 ranks and at 1, one-line errors. Log-probs at the temperature: tests/test_gpt2.py."""
+"""ppo.py: GAE vs a scalar loop and vs the discount-matrix closed form, masked whitening, the KL
+controller, the per-token rewards and the missing-stop penalty, PPO invariants, dual-clip by
+hand, the inline AdamTF vs adam_tf.py, pad != eos, a tiny end-to-end run (adaptive KL,
+dual-clip, adaptive entropy bonus, the preference-pair eval, checkpoints, resume ==
+uninterrupted with AdamTF), the reference = the starting policy, 1 process == 2 ranks (FSDP2,
+gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint resumed at 2 ranks and at
+1, one-line errors. Log-probs at the temperature: tests/test_gpt2.py."""
 
 import json
 import os
@@ -49,6 +50,37 @@ def test_gae_matches_python_loop(gamma, lam):
             assert adv[b, t].item() == pytest.approx(last, abs=1e-5)
             assert ret[b, t].item() == pytest.approx(last + values[b, t].item(), abs=1e-5)
         assert (adv[b, n:] == 0).all() and (ret[b, n:] == 0).all()
+
+
+def gae_by_discount_matrix(rewards, values, mask, gamma, lam):
+    """The closed form A_t = sum_{s >= t} (gamma lam)^(s - t) delta_s as one matmul with a
+    (T, T) discount matrix, in float64: ppo.py's GAE before the loop, kept as a cross-check."""
+    rewards, values = rewards.double(), values.double() * mask
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    deltas = (rewards + gamma * next_values - values) * mask
+    t = torch.arange(rewards.size(1))
+    lag = (t[:, None] - t[None, :]).double()  # [s, t] = s - t
+    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), 0.0)
+    advantages = (deltas @ discount) * mask
+    return advantages, (advantages + values) * mask
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (1.0, 0.0)])
+def test_gae_loop_equals_discount_matrix(gamma, lam):
+    mask, gen = random_mask(B=32, T=64, seed=3)
+    rewards, values = torch.randn(2, *mask.shape, generator=gen) * mask
+    adv, ret = ppo.compute_gae(rewards, values + 5 * ~mask, mask, gamma, lam)
+    adv64, ret64 = gae_by_discount_matrix(rewards, values, mask, gamma, lam)
+    # The loop runs in float32 against float64: each of its T steps rounds about five
+    # operations (relative error <= eps each) on numbers no larger than the row's sum of
+    # |r| + 2 |V|, and the factor gamma lam <= 1 carries an earlier error on without
+    # growing it, so |A - A64| <= 6 T eps (sum of |r| + 2 |V|): a worst case, the typical
+    # error is far smaller, and an indexing bug's error is of the order of |A| itself.
+    bound = 6 * mask.size(1) * torch.finfo(torch.float32).eps
+    scale = (rewards.abs() + 2 * values.abs()).sum(1, keepdim=True).double()
+    assert ((adv - adv64).abs() <= bound * scale).all()
+    assert ((ret - ret64).abs() <= bound * scale).all()
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
 
 
 def test_masked_whiten():
@@ -315,6 +347,10 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_
         (["--num_minibatches", "3"], "num_minibatches"),
         (["--response_length", "100"], "exceed"),
         (["--temperature", "0"], "--temperature"),
+        (["--temperature", "nan"], "--temperature nan"),
+        (["--lr", "-1"], "--lr -1"),
+        (["--batch_size", "0"], "--batch_size 0"),
+        (["--gamma", "1.5"], "--gamma 1.5"),
         (["--lr", "1e12"], "non-finite PPO statistics at update 1"),  # diverges at once
     ],
 )
@@ -324,7 +360,7 @@ def test_bad_flags_give_one_line_errors(models, tmp_path, flags, expected):
     assert p.returncode == 1 and expected in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     # a flag or model problem leaves no run dir (one that needs --overwrite); the NaN comes later
-    assert (tmp_path / "x").exists() == ("--lr" in flags)
+    assert (tmp_path / "x").exists() == ("1e12" in flags)
 
 
 def test_missing_default_models_say_what_to_run(models, tmp_path):
