@@ -306,7 +306,7 @@ def all_reduce(x):
 def all_reduce_dict(sums):
     """{name: scalar tensor} summed over ranks in one collective -> {name: float}."""
     names = list(sums)
-    total = all_reduce(torch.stack([sums[name].float() for name in names]))
+    total = all_reduce(torch.stack([sums[name].double() for name in names]))
     return dict(zip(names, total.tolist()))
 
 
@@ -664,10 +664,7 @@ def main(args: Args):
             "tokens": b_mask.sum() * args.num_ppo_epochs,
         }
         sums |= token_sums
-        # As all_reduce_dict, in float64: its float32 would round the token sums.
-        names = list(sums)
-        totals = all_reduce(torch.stack([sums[name].double() for name in names]))
-        totals = dict(zip(names, totals.tolist()))
+        totals = all_reduce_dict(sums)
         if not all(math.isfinite(total) for total in totals.values()):
             raise RunError(
                 f"non-finite PPO statistics at update {done}: lower --lr and continue with "
