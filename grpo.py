@@ -345,20 +345,25 @@ def check_args(args):
         eps = args.clip_eps_low
         raise RunError(f"--clip_eps_low {eps}: must be < 1 (1 - it is the ratio's floor)")
     # the flags that depend on each other
-    if args.num_samples_per_prompt < 2:
-        G = args.num_samples_per_prompt
-        raise RunError(f"--num_samples_per_prompt {G}: a group needs >= 2; pass 2+")
-    if 0 < args.rejection_sampling_candidates < args.num_samples_per_prompt:
-        flag = "--rejection_sampling_candidates"
-        raise RunError(f"{flag} must be >= --num_samples_per_prompt: raise it")
-    if args.overlong_buffer > args.response_length:
-        raise RunError("--overlong_buffer must be in [0, --response_length]: lower it")
+    G = args.num_samples_per_prompt
+    if G < 2:
+        raise RunError(f"--num_samples_per_prompt {G}: a group needs >= 2; pass 2 or more")
+    candidates = args.rejection_sampling_candidates
+    if 0 < candidates < G:
+        flag = f"--rejection_sampling_candidates {candidates}"
+        raise RunError(f"{flag}: fewer than --num_samples_per_prompt {G}; raise it")
+    buffer = args.overlong_buffer
+    if buffer > args.response_length:
+        limit = f"--response_length {args.response_length}"
+        raise RunError(f"--overlong_buffer {buffer}: more than {limit}; lower it")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise RunError(f"--dual_clip {args.dual_clip}: must be > 1; pass e.g. 3")
     if args.dual_clip is not None and args.loss_type != "ppo":
         raise RunError("--dual_clip caps PPO's loss: pass it with --loss_type ppo")
-    if args.total_episodes < args.num_prompts_per_step * args.num_samples_per_prompt:
-        raise RunError("--total_episodes is less than one step's responses: raise it")
+    step = args.num_prompts_per_step * G
+    if args.total_episodes < step:
+        why = f"less than one step's {step} responses"
+        raise RunError(f"--total_episodes {args.total_episodes}: {why}; raise it")
     if args.model == Args.model and not os.path.isdir(args.model):
         why = "no SFT model at 'runs/sft/latest'"
         raise RunError(f"{why}: run `python sft.py` or pass --model DIR")
