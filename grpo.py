@@ -67,7 +67,7 @@ class Args:
     response_length: int = 16  # max new tokens per response
     temperature: float = 1.0  # sampling temperature; the loss's log-probs use it too
     beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
-    kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # per-token KL
+    kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # per-token KL estimate
     kl_in_reward: bool = False  # beta's KL (k1) in the reward, not the loss (RLOO, verl)
     loss_type: Literal["ppo", "cispo"] = "ppo"  # clipped surrogate, or CISPO (MiniMax-M1)
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - this (PPO: 0.2)
@@ -365,8 +365,7 @@ def check_args(args):
         why = f"less than one step's {step} responses"
         raise RunError(f"--total_episodes {args.total_episodes}: {why}; raise it")
     if args.model == Args.model and not os.path.isdir(args.model):
-        why = "no SFT model at 'runs/sft/latest'"
-        raise RunError(f"{why}: run `python sft.py` or pass --model DIR")
+        raise RunError("no SFT model at 'runs/sft/latest': run `python sft.py` or pass --model DIR")
 
 
 def all_reduce(x):
@@ -400,8 +399,7 @@ def main(args: Args):
     rank, world_size, device = setup_distributed()
     num_prompts = args.num_prompts_per_step
     G = args.num_samples_per_prompt
-    flags = "--num_prompts_per_step or the ranks"
-    local_prompts = data.exact_div(num_prompts, world_size, flags)
+    local_prompts = data.exact_div(num_prompts, world_size, "--num_prompts_per_step or the ranks")
     # responses a step, over all ranks and on this one
     batch_size = num_prompts * G
     local_batch_size = local_prompts * G
@@ -425,14 +423,11 @@ def main(args: Args):
     n_train = len(train["query"])
     use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
     if not (use_verifier or args.reward_model):
-        why = "no reward: no verifier (for this task, or --no-verifier)"
-        raise RunError(f"{why}: --reward_model")
+        raise RunError("no reward: no verifier (for this task, or --no-verifier): --reward_model")
     if args.eval_samples and not use_verifier:
-        why = "--eval_samples scores with the task's verifier"
-        raise RunError(f"{why}: this run has none")
+        raise RunError("--eval_samples scores with the task's verifier: this run has none")
     if n_train < num_prompts:
-        why = f"prompt_train has {n_train} prompts"
-        raise RunError(f"{why}: lower --num_prompts_per_step")
+        raise RunError(f"prompt_train has {n_train} prompts: lower --num_prompts_per_step")
 
     # 3. models, before the run dir (a bad --model leaves none). Frozen: the reference and
     # the reward model.
@@ -606,7 +601,13 @@ def main(args: Args):
             metrics["eval/preference_accuracy"] = accuracy
         return metrics
 
-    show = ("objective/scores", "objective/kl", "eval/accuracy", "perf/episodes_per_sec")
+    # the status line's few numbers; metrics.jsonl has every one
+    show = (
+        "objective/scores",
+        "objective/kl",
+        "eval/accuracy",
+        "perf/episodes_per_sec",
+    )
     if start == 0:
         # the starting point
         metrics = evaluate()
@@ -683,9 +684,11 @@ def main(args: Args):
             for micro, idx in enumerate(micro_idx):
                 if dist.is_initialized():
                     policy.set_requires_gradient_sync(micro == len(micro_idx) - 1)
-                with ctx:
-                    new_logprobs, entropy = forward(query[idx], response[idx], entropy=with_entropy)
+                mb_query = query[idx]
+                mb_response = response[idx]
                 mb_mask = mask[idx]
+                with ctx:
+                    new_logprobs, entropy = forward(mb_query, mb_response, entropy=with_entropy)
                 # the first minibatch is on-policy: its pi_old is this forward's, detached
                 if epoch == 0 and minibatch == 0:
                     old = new_logprobs.detach()
@@ -732,8 +735,7 @@ def main(args: Args):
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             if not torch.isfinite(grad_norm):
-                why = f"non-finite grad norm at step {done}"
-                raise RunError(f"{why}: lower --lr (or --resume)")
+                raise RunError(f"non-finite grad norm at step {done}: lower --lr (or --resume)")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # the global norm, before clipping
@@ -741,37 +743,36 @@ def main(args: Args):
 
         # 4e. log: means over the loss's tokens or every response sampled, of all ranks
         if log_now:
-            with torch.no_grad():
-                # each rank's share of a mean, then the sum over ranks in one collective
-                local_means = {}
-                loss_tokens = all_reduce(mask.sum().double()).clamp(min=1)
-                for name, total in sums.items():
-                    local_means[name] = total / (loss_tokens * args.num_epochs)
-                local_means["objective/entropy"] = entropy_sum / loss_tokens
-                # every round's responses
-                n_sampled = len(sampled["scores"]) * world_size
-                local_means["objective/scores"] = sampled["scores"].sum() / n_sampled
-                lengths = sampled["response_mask"].sum()
-                local_means["objective/response_length"] = lengths / n_sampled
-                stops = (sampled["response"] == eos).any(1).sum()
-                local_means["val/stop_frac"] = stops / n_sampled
-                # the groups of equal rewards, which dynamic sampling drops
-                zero_std = zero_std_groups(sampled["scores"], G).sum()
-                local_means["objective/zero_std_frac"] = zero_std * G / n_sampled
-                if args.dynamic_sampling:
-                    local_means["objective/dropped_groups"] = zero_std
-                if "rso_rounds" in sampled:
-                    rso_rounds = sampled["rso_rounds"].sum()
-                    local_means["objective/rso_rounds"] = rso_rounds / n_sampled
-                if ref_logprobs is not None:
-                    # KL(pi_old || pi_ref) per token: k3, whatever the loss's estimator
-                    k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3")
-                    kl_sum = (k3 * response_mask).sum()
-                    local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
-                names = list(local_means)
-                values = torch.stack([local_means[name].double() for name in names])
-                totals = all_reduce(values)
-                metrics = dict(zip(names, totals.tolist()))
+            # each rank's share of a mean, then the sum over ranks in one collective
+            local_means = {}
+            loss_tokens = all_reduce(mask.sum().double()).clamp(min=1)
+            for name, total in sums.items():
+                local_means[name] = total / (loss_tokens * args.num_epochs)
+            local_means["objective/entropy"] = entropy_sum / loss_tokens
+            # every round's responses
+            n_sampled = len(sampled["scores"]) * world_size
+            local_means["objective/scores"] = sampled["scores"].sum() / n_sampled
+            lengths = sampled["response_mask"].sum()
+            local_means["objective/response_length"] = lengths / n_sampled
+            stops = (sampled["response"] == eos).any(1).sum()
+            local_means["val/stop_frac"] = stops / n_sampled
+            # the groups of equal rewards, which dynamic sampling drops
+            zero_std = zero_std_groups(sampled["scores"], G).sum()
+            local_means["objective/zero_std_frac"] = zero_std * G / n_sampled
+            if args.dynamic_sampling:
+                local_means["objective/dropped_groups"] = zero_std
+            if "rso_rounds" in sampled:
+                rso_rounds = sampled["rso_rounds"].sum()
+                local_means["objective/rso_rounds"] = rso_rounds / n_sampled
+            if ref_logprobs is not None:
+                # KL(pi_old || pi_ref) per token: k3, whatever the loss's estimator
+                k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3")
+                kl_sum = (k3 * response_mask).sum()
+                local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
+            names = list(local_means)
+            values = torch.stack([local_means[name].double() for name in names])
+            totals = all_reduce(values)
+            metrics = dict(zip(names, totals.tolist()))
             # Var[ratio] = E[ratio^2] - E[ratio]^2
             ratio_squared = metrics.pop("ratio_squared")
             metrics["val/ratio_var"] = ratio_squared - metrics["val/ratio"] ** 2
