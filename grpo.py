@@ -1,12 +1,13 @@
-"""Group Relative Policy Optimization (GRPO): PPO without a value model, advantages from groups.
+"""Group Relative Policy Optimization (GRPO): PPO without a value model.
 
-Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G responses per prompt,
-score them (the task's verifier and/or a reward model from reward.py), give every token of a
-response the group-normalised reward (r - mean) / std as its advantage; the loss is PPO's clipped
-surrogate plus beta * KL(pi_theta || pi_ref), not a KL reward as in PPO-RLHF. Later findings (KL
-estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO, dual-clip, entropy bonuses, RSO, batch std) are
-flags picking small functions (docs/variants_grpo.md). Deviations: pi_old's log-probs are the
-sampler's (full tempered distribution); minibatches: equal shares of each group, any rank count.
+Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G responses per
+prompt, score them (the task's verifier and/or a reward model from reward.py), and give
+every token of a response the group-normalised reward (r - mean) / std as its advantage.
+The loss is PPO's clipped surrogate plus beta * KL(pi_theta || pi_ref), not a KL reward
+as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO,
+dual-clip, entropy bonuses, RSO, batch std) are flags, each a branch of a small function
+(docs/variants_grpo.md). Deviations: pi_old's log-probs are the sampler's (the full
+tempered distribution); a minibatch takes an equal share of each group, at any rank count.
 
     python grpo.py                                   # from runs/sft/latest, arithmetic verifier
     torchrun --nproc_per_node=2 grpo.py --beta 0.03  # a KL penalty, FSDP2 over 2 ranks
@@ -24,17 +25,18 @@ import fcntl
 import functools
 import glob
 import json
+import math
 import os
 import shutil
 import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from safetensors import safe_open
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -45,147 +47,184 @@ import gpt2
 
 @dataclass
 class Args:
-    model: str = "runs/sft/latest"  # policy to start from: an SFT run dir, a preset or `tiny`
+    model: str = "runs/sft/latest"  # policy to start: an SFT run dir, a preset, `tiny`
     ref_model: str = ""  # reference of the KL term; default the starting --model
-    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
-    reward_model: str = ""  # reward model dir from reward.py; adds to the verifier's score
+    data: str = "arithmetic"  # `arithmetic` (built in) or `python -m data.prep`'s dir
+    reward_model: str = ""  # a reward.py run dir; adds to the verifier's score
     verifier: bool = True  # score with the task's verifier (1 correct, 0 wrong)
     out_dir: str = ""  # run directory; default a fresh runs/grpo/<time>-s<seed>
     overwrite: bool = False  # delete the run already in --out_dir and start afresh
-    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
+    resume: bool = False  # continue the run in --out_dir from its last checkpoint
     seed: int = 1  # seed of prompt order, sampling and minibatches
     lr: float = 1e-5  # learning rate (constant; pretrained GPT-2: ~1e-6)
     max_grad_norm: float = 1.0  # gradient clipping threshold on the global gradient norm
     total_episodes: int = 51200  # responses sampled over the run
     num_prompts_per_step: int = 32  # prompts per step, over all ranks
     num_samples_per_prompt: int = 8  # group size G: responses per prompt (>= 2)
-    num_minibatches: int = 4  # optimizer steps per epoch (each takes a share of every group)
+    num_minibatches: int = 4  # optimizer steps per epoch, each on a share of every group
     num_epochs: int = 1  # PPO epochs over each batch of samples (DeepSeekMath: 1)
     micro_batch_size: int = 64  # sequences per forward pass on one rank
     response_length: int = 16  # max new tokens per response
     temperature: float = 1.0  # sampling temperature; the loss's log-probs use it too
     beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
-    kl_estimator: str = "k3"  # per-token KL estimate: k1, k2, k3 (DeepSeekMath), k4 or k3_ratio
-    kl_in_reward: bool = False  # beta's KL (k1) in the reward, not in the loss (RLOO, verl)
-    loss_type: str = "ppo"  # `ppo` (the clipped surrogate) or `cispo` (MiniMax-M1)
-    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low (PPO: 0.2)
-    clip_eps_high: float = 0.2  # ratio clipped above at 1 + this (DAPO: 0.28; CISPO's cap)
-    dual_clip: float | None = None  # cap a token's loss at -this x A where A < 0 (verl: 3.0)
-    importance_level: str = "token"  # `token` ratios or `sequence` (GSPO)
-    advantage: str = "grpo"  # `grpo` (r - group mean [/ std]) or `rloo` (leave one out)
-    scale_rewards: str = "group"  # divide r - group mean by the `group`'s std, `batch`'s or `none`
-    batch_norm_advantages: bool = False  # whiten the advantages once more over the global batch
-    loss_aggregation: str = "token"  # `token` (DAPO), `sequence` (DeepSeekMath) or `dr_grpo`
-    mask_truncated: bool = False  # leave responses with no stop token out of the loss (DAPO)
-    missing_eos_penalty: float | None = None  # subtracted from the score of a response with no stop
-    overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last this many tokens
+    kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # per-token KL estimate
+    kl_in_reward: bool = False  # beta's KL (k1) in the reward, not the loss (RLOO, verl)
+    loss_type: Literal["ppo", "cispo"] = "ppo"  # clipped surrogate, or CISPO (MiniMax-M1)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - this (PPO: 0.2)
+    clip_eps_high: float = 0.2  # and above at 1 + this (DAPO: 0.28; CISPO's cap)
+    dual_clip: float | None = None  # cap the loss at -this x A where A < 0 (verl: 3.0)
+    importance_level: Literal["token", "sequence"] = "token"  # ratios per token or GSPO's
+    advantage: Literal["grpo", "rloo"] = "grpo"  # r - group mean [/ std] or leave-one-out
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # r - mean over whose std
+    batch_norm_advantages: bool = False  # whiten the advantages again over the batch
+    loss_aggregation: Literal["token", "sequence", "dr_grpo"] = "token"  # the loss's mean
+    mask_truncated: bool = False  # responses with no stop: out of the loss (DAPO)
+    missing_eos_penalty: float | None = None  # subtracted from a score if no stop token
+    overlong_buffer: int = 0  # DAPO's soft punishment of the last this many tokens
     overlong_penalty: float = 1.0  # --overlong_buffer's penalty at --response_length
-    entropy_coef: float = 0.0  # the loss minus this x the token mean entropy (an entropy bonus)
-    entropy_target: float | None = None  # adapt --entropy_coef toward this entropy (Skywork-OR1)
-    entropy_coef_delta: float = 0.005  # --entropy_target's step of the coefficient per step
+    entropy_coef: float = 0.0  # the loss minus this x entropy, aggregated as the loss is
+    entropy_target: float | None = None  # adapt --entropy_coef toward it (Skywork-OR1)
+    entropy_coef_delta: float = 0.005  # --entropy_target's step of the coefficient
     dynamic_sampling: bool = False  # resample groups with equal rewards (DAPO)
     max_sampling_rounds: int = 4  # --dynamic_sampling's extra rounds per step at most
-    rejection_sampling_candidates: int = 0  # RSO: sample this many per prompt, keep G (0: off)
-    rso_temperature: float = 2.0  # RSO's beta: a candidate is kept w.p. exp((r - r_max) / this)
+    rejection_sampling_candidates: int = 0  # RSO: sample this many, keep G (0: off)
+    rso_temperature: float = 2.0  # RSO's beta: keep w.p. exp((r - r_max) / this)
     recompute_old_logprobs: bool = False  # π_old from a forward pass, not the sampler's
-    eval_every: int = 50  # steps between evals (greedy accuracy on prompt_test) and checkpoints
+    eval_every: int = 50  # steps between evals (greedy accuracy) and checkpoints
     eval_size: int = 500  # held-out prompts for the eval accuracy (0: no eval)
-    eval_samples: int = 0  # also sampled pass@k and mean@n, n samples per eval prompt (0: off)
+    eval_samples: int = 0  # n samples per eval prompt for pass@k and mean@n (0: off)
     log_every: int = 1  # steps between status lines and metrics rows
-    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (at least 1)
-    dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
+    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (>= 1)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
     compile: bool = False  # torch.compile the policy for the loss's forward passes
-    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
+    activation_checkpointing: bool = False  # recompute activations in backward
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
 # ----------------------------------------------------------------------------------------------
 # GRPO: KL estimators, group advantages, the clipped surrogate and its aggregation
 
-KL_CLAMP = 40.0  # |log pi_theta - log pi_ref| cap (open-instruct): exp(40) is finite in bf16
-KL_ESTIMATORS = {  # per token, of logr = log pi_theta / pi_ref and log_w = log pi_theta / pi_old
-    "k1": lambda logr, log_w: logr,
-    "k2": lambda logr, log_w: 0.5 * logr.square(),
-    "k3": lambda logr, log_w: torch.expm1(-logr) + logr,
-    "k4": lambda logr, log_w: torch.exp(log_w) * logr,
-    "k3_ratio": lambda logr, log_w: torch.exp(log_w) * (torch.expm1(-logr) + logr),  # TRL's default
-}
+# The cap of |log pi_theta - log pi_ref| (open-instruct's): exp(40) is finite in bf16.
+KL_CLAMP = 40.0
 
 
 def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator):
-    """(B, T) KL(pi_theta || pi_ref) estimates at tokens from pi_old, differentiable in new_logprobs
-    (their gradients: docs/variants_grpo.md); logr clamped: past ~88, k3's exp(-logr) is inf."""
+    """Estimates (B, T) of KL(pi_theta || pi_ref) at tokens sampled from pi_old,
+    differentiable in new_logprobs (Schulman's note "Approximating KL divergence";
+    which gradients are unbiased: docs/variants_grpo.md). logr = log pi_theta / pi_ref
+    is clamped: past ~88, k3's exp(-logr) is inf in fp32."""
     logr = (new_logprobs - ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)
-    return KL_ESTIMATORS[estimator](logr, new_logprobs - old_logprobs)
+    if estimator == "k3":
+        # DeepSeekMath eq. 4: pi_ref / pi - log(pi_ref / pi) - 1, never negative
+        kl = torch.expm1(-logr) + logr
+    elif estimator == "k1":
+        # the log-ratio itself: unbiased in value, but no pull toward pi_ref
+        kl = logr
+    elif estimator == "k2":
+        # half its square: on-policy, its expected gradient is the true KL's
+        kl = 0.5 * logr.square()
+    elif estimator == "k4":
+        # w logr, w = pi_theta / pi_old: unbiased off-policy (open-instruct #534)
+        kl = torch.exp(new_logprobs - old_logprobs) * logr
+    elif estimator == "k3_ratio":
+        # w k3: the importance-corrected k3 (DeepSeek-V3.2; TRL's default)
+        kl = torch.exp(new_logprobs - old_logprobs) * (torch.expm1(-logr) + logr)
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}")
+    return kl
 
 
 def batch_std(r):
     """The unbiased std of every reward of the global batch, summed over ranks."""
     r = r.double()
-    n, total, squares = all_reduce(torch.stack([r.new_tensor(r.numel()), r.sum(), (r * r).sum()]))
+    moments = torch.stack([r.new_tensor(r.numel()), r.sum(), (r * r).sum()])
+    n, total, squares = all_reduce(moments)
     return ((squares - total**2 / n) / (n - 1)).clamp(min=0).sqrt().float()
 
 
-REWARD_SCALES = {  # rewards (P, G) -> what divides r - group mean (TRL's scale_rewards)
-    "group": lambda r: r.std(1, keepdim=True) + 1e-4,  # DeepSeekMath Sec. 4.1.2
-    "batch": lambda r: batch_std(r) + 1e-4,  # TRL's "batch": REINFORCE++-baseline, Lite PPO
-    "none": lambda r: 1.0,  # Dr. GRPO
-}
-ADVANTAGES = {  # rewards (P, G) of each prompt's group, a REWARD_SCALES entry -> advantages
-    "grpo": lambda r, scale: (r - r.mean(1, True)) / scale(r),
-    # RLOO: r_i - the mean of the other G - 1, a baseline independent of r_i (no std division)
-    "rloo": lambda r, scale: r - (r.sum(1, True) - r) / (r.size(1) - 1),
-}
-
-
 def zero_std_groups(scores, group_size):
-    """(P,) bool: the groups whose G rewards are all equal: advantage 0, no learning signal."""
+    """(P,) bool: the groups whose G rewards are all equal: no learning signal."""
     groups = scores.view(-1, group_size)
     return (groups == groups[:, :1]).all(1)
 
 
 def group_advantages(scores, group_size, advantage="grpo", scale="group"):
-    """(B,) scores of consecutive groups -> (B,) advantages, exactly 0 for equal rewards."""
-    advantages = ADVANTAGES[advantage](scores.view(-1, group_size), REWARD_SCALES[scale])
-    return advantages.masked_fill(zero_std_groups(scores, group_size)[:, None], 0.0).flatten()
+    """(B,) scores of consecutive groups -> (B,) advantages (0 for equal rewards)."""
+    rewards = scores.view(-1, group_size)
+    # DeepSeekMath Sec. 4.1.2: a reward's distance from its group's mean, in its std
+    mean = rewards.mean(1, keepdim=True)
+    std = rewards.std(1, keepdim=True)
+    advantages = (rewards - mean) / (std + 1e-4)
+    if advantage == "rloo":
+        # RLOO: minus the mean of the other G - 1, a baseline independent of r_i; no std
+        others_mean = (rewards.sum(1, keepdim=True) - rewards) / (group_size - 1)
+        advantages = rewards - others_mean
+    elif scale == "batch":
+        # the whole batch's std: TRL's "batch" (REINFORCE++-baseline, Lite PPO)
+        advantages = (rewards - mean) / (batch_std(rewards) + 1e-4)
+    elif scale == "none":
+        # Dr. GRPO: no std, which weighs prompts too easy or too hard the most
+        advantages = rewards - mean
+    # a group of equal rewards has no signal: exactly 0
+    no_signal = zero_std_groups(scores, group_size)
+    return advantages.masked_fill(no_signal[:, None], 0.0).flatten()
 
 
 def kl_in_reward(scores, logprobs, ref_logprobs, mask, beta):
-    """Scores (B,) - beta sum_t (log pi_old - log pi_ref) of a response: the KL (k1) as a reward."""
+    """Scores (B,) - beta sum_t (log pi_old - log pi_ref): the KL (k1) as a reward."""
     return scores - beta * ((logprobs - ref_logprobs) * mask).sum(1)
 
 
 def overlong_penalty(lengths, max_length, buffer, penalty):
-    """DAPO eq. 13 of (B,) lengths: 0 to max_length - buffer, linear to -penalty from max_length."""
+    """DAPO eq. 13 of (B,) lengths: 0 up to max_length - buffer, then linear down to
+    -penalty at max_length."""
     return ((max_length - buffer - lengths) / buffer).clamp(-1.0, 0.0) * penalty
 
 
 def rso_select(rewards, k, temperature, uniforms):
-    """RSO (arXiv 2309.06657, Alg. 1): k of N candidates, rewards (P, N); round j accepts each one
-    left in turn w.p. exp((r - r_max) / temperature) (uniforms[:, j]), r_max the best left, until k
-    are (the best always is). -> indices (P, k) in the order accepted, the rounds each took (P,)."""
-    left, taken = torch.ones_like(rewards, dtype=torch.bool), rewards.new_zeros(len(rewards))
-    place, rounds = torch.full_like(rewards, float("inf")), torch.zeros_like(taken)
+    """RSO (arXiv 2309.06657, Alg. 1): k of N candidates, rewards (P, N). Round j
+    accepts each candidate left, in turn, with probability exp((r - r_max) / temperature)
+    (against uniforms[:, j]), r_max the best left, until k are (the best always is).
+    -> indices (P, k) in the order accepted, and the rounds each prompt took (P,)."""
+    left = torch.ones_like(rewards, dtype=torch.bool)
+    taken = rewards.new_zeros(len(rewards))
+    # each candidate's place among the kept; inf: not accepted
+    place = torch.full_like(rewards, float("inf"))
+    rounds = torch.zeros_like(taken)
     for j in range(k):
+        # a prompt with fewer than k accepted takes part in this round
+        rounds = rounds + (taken < k)
         r_max = rewards.masked_fill(~left, -float("inf")).amax(1, keepdim=True)
-        accept = left & (uniforms[:, j] < torch.exp((rewards - r_max) / temperature))
-        order = taken[:, None] + accept.cumsum(1) - 1  # the place each would take among the kept
-        accept &= order < k  # Algorithm 1 stops the round once k are accepted
-        place, left = torch.where(accept, order, place), left & ~accept
-        rounds, taken = rounds + (taken < k), taken + accept.sum(1)
+        p_accept = torch.exp((rewards - r_max) / temperature)
+        accept = left & (uniforms[:, j] < p_accept)
+        # the place each would take among the kept
+        order = taken[:, None] + accept.cumsum(1) - 1
+        # Algorithm 1 stops the round once k are accepted
+        accept &= order < k
+        place = torch.where(accept, order, place)
+        left = left & ~accept
+        taken = taken + accept.sum(1)
     return place.argsort(1)[:, :k], rounds
 
 
-IMPORTANCE_LEVELS = {  # log pi_theta / pi_old (B, T) per token, or GSPO's: its response's mean
-    "token": lambda log_ratio, mask: log_ratio,
-    "sequence": lambda x, mask: (x.sum(1, True) / mask.sum(1, True).clamp(min=1)).expand_as(x),
-}
+def importance_log_ratio(log_ratio, mask, level):
+    """The log-ratio log pi_theta / pi_old (B, T) the surrogate takes its ratio of."""
+    if level == "token":
+        # PPO, DeepSeekMath: each token its own ratio
+        return log_ratio
+    elif level == "sequence":
+        # GSPO: every token of a response takes the response's mean log-ratio
+        mean = log_ratio.sum(1, True) / mask.sum(1, True).clamp(min=1)
+        return mean.expand_as(log_ratio)
+    raise ValueError(f"unknown importance level {level!r}")
 
 
 def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
-    """PPO's clipped surrogate (B, T) of log pi_theta / pi_old (B, T), advantages (B,), the ratio
-    in [1 - clip_low, 1 + clip_high], A < 0's loss capped at -dual_clip A. Also ratio, clipped."""
-    ratio, advantages = torch.exp(log_ratio), advantages[:, None]
+    """PPO's clipped surrogate (B, T) of log pi_theta / pi_old (B, T), advantages (B,),
+    the ratio in [1 - clip_low, 1 + clip_high], A < 0's loss capped at -dual_clip A.
+    Also the ratio, and where it was clipped."""
+    ratio = torch.exp(log_ratio)
+    advantages = advantages[:, None]
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.max(pg_losses, pg_losses2)
@@ -195,20 +234,33 @@ def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
 
 
 def cispo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
-    """CISPO (arXiv 2506.13585, eq. 4): -sg(min(rho, 1 + clip_high)) A log pi per token, its weight
-    capped, not its gradient; log rho for log pi: the same gradient (pi_old fixed), 0 on-policy."""
+    """CISPO (arXiv 2506.13585, eq. 4): -sg(min(rho, 1 + clip_high)) A log pi per token:
+    its weight is capped, not its gradient. log rho stands for log pi: the same gradient
+    (pi_old is fixed), and 0 on-policy. Also the ratio, and where its weight was capped."""
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(max=1.0 + clip_high).detach()
-    return -advantages[:, None] * weight * log_ratio, ratio, (ratio > 1.0 + clip_high).float()
+    loss = -advantages[:, None] * weight * log_ratio
+    return loss, ratio, (ratio > 1.0 + clip_high).float()
 
 
-LOSS_TYPES = {"ppo": grpo_loss, "cispo": cispo_loss}
-AGGREGATIONS = {  # a minibatch's loss mask (B, T) -> per-token weights, and the count dividing them
-    "token": lambda mask: (mask, mask.sum()),  # DAPO: every token weighs the same
-    # DeepSeekMath: the mean of each response's tokens, then over responses
-    "sequence": lambda mask: (mask / mask.sum(1, True).clamp(min=1), mask.any(1).sum()),
-    "dr_grpo": lambda mask: (mask, mask.new_tensor(mask.numel())),  # Dr. GRPO: N x length
-}
+def loss_weights(mask, aggregation):
+    """The weight (B, T) of each token in a minibatch's loss, from its loss mask: the
+    loss is sum(per-token loss x weight). Counts are over every rank's minibatch."""
+    if aggregation == "token":
+        # DAPO: every token of the minibatch weighs the same
+        weights = mask
+        count = mask.sum()
+    elif aggregation == "sequence":
+        # DeepSeekMath eq. 3: the mean of each response's tokens, then over the responses
+        weights = mask / mask.sum(1, True).clamp(min=1)
+        count = mask.any(1).sum()
+    elif aggregation == "dr_grpo":
+        # Dr. GRPO: a constant, responses x max length: no bias from the lengths
+        weights = mask
+        count = mask.new_tensor(mask.numel())
+    else:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}")
+    return weights / all_reduce(count.float()).clamp(min=1)
 
 
 def adaptive_entropy_coef(coef, entropy, target, delta):
@@ -219,44 +271,101 @@ def adaptive_entropy_coef(coef, entropy, target, delta):
     return coef, coef if entropy <= target else 0.0
 
 
+def rows_of_every_rank(v, rank, world_size):
+    """Every rank's rows of v, in rank order: an all-gather, as a sum of padded copies."""
+    rows = len(v)
+    padded = v.new_zeros((world_size * rows, *v.shape[1:]))
+    padded[rank * rows : (rank + 1) * rows] = v
+    return all_reduce(padded)
+
+
 def dynamic_sampling(rollout, num_prompts, group_size, max_rounds, rank, world_size):
-    """DAPO: rollout(round) until num_prompts groups (all ranks') have reward variance, max_rounds
-    more at most. -> those, then zero-variance ones masked out, as one round; this rank's rounds."""
-    # every rank's rows in rank order: each pads its own with zeros to the global size, then a sum
-    spread = lambda v: [0, 0] * (v.dim() - 1) + [rank * len(v), (world_size - rank - 1) * len(v)]
-    rounds, pool = [], []  # this rank's rollouts; every rank's
+    """DAPO: rollout(round) until num_prompts groups (all ranks') have reward variance,
+    max_rounds more at most. -> those, then zero-variance ones masked out, as one round;
+    and this rank's rounds, all of them."""
+    # this rank's rollouts, and every rank's
+    rounds = []
+    pool = []
     for round_ in range(1 + max_rounds):
         rounds.append(rollout(round_))
-        pool.append({k: all_reduce(F.pad(v, spread(v))) for k, v in rounds[-1].items()})
-        signal = ~zero_std_groups(torch.cat([r["scores"] for r in pool]), group_size)
-        if signal.sum() >= num_prompts:
+        gathered = {k: rows_of_every_rank(v, rank, world_size) for k, v in rounds[-1].items()}
+        pool.append(gathered)
+        scores = torch.cat([r["scores"] for r in pool])
+        has_variance = ~zero_std_groups(scores, group_size)
+        if has_variance.sum() >= num_prompts:
             break
     pool = {k: torch.cat([r[k] for r in pool]) for k in pool[0]}
-    order = torch.cat([signal.nonzero()[:, 0], (~signal).nonzero()[:, 0]])[:num_prompts]
-    order = order.view(world_size, -1)[rank]  # rank r trains the r-th slice
-    batch = {k: v.unflatten(0, (-1, group_size))[order].flatten(0, 1) for k, v in pool.items()}
-    batch["mask"] *= signal[order].repeat_interleave(group_size)[:, None]
-    return batch, {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]}
+    # the groups with variance first, in sampling order; rank r trains the r-th slice
+    groups = torch.cat([has_variance.nonzero()[:, 0], (~has_variance).nonzero()[:, 0]])
+    order = groups[:num_prompts].view(world_size, -1)[rank]
+    batch = {}
+    for k, v in pool.items():
+        batch[k] = v.unflatten(0, (-1, group_size))[order].flatten(0, 1)
+    # a zero-variance group, topping up the batch, is left out of the loss
+    batch["mask"] *= has_variance[order].repeat_interleave(group_size)[:, None]
+    sampled = {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]}
+    return batch, sampled
 
 
 def check_args(args):
+    """Every flag's problem, before any heavy work: one line naming the flag and the fix."""
+    # whole numbers: sizes and intervals from 1, and from 0 where 0 means none or off
+    at_least_1 = ["total_episodes", "num_prompts_per_step", "num_minibatches"]
+    at_least_1 += ["num_epochs", "micro_batch_size", "response_length", "eval_every"]
+    at_least_1 += ["log_every", "keep_checkpoints"]
+    for flag in at_least_1:
+        value = getattr(args, flag)
+        if value < 1:
+            raise RunError(f"--{flag} {value}: must be at least 1; pass a whole number")
+    at_least_0 = ["seed", "overlong_buffer", "max_sampling_rounds"]
+    at_least_0 += ["rejection_sampling_candidates", "eval_size", "eval_samples"]
+    for flag in at_least_0:
+        value = getattr(args, flag)
+        if value < 0:
+            raise RunError(f"--{flag} {value}: must be >= 0; pass a whole number")
+    # real numbers: finite, then positive or >= 0 where the sign matters
+    finite = ["lr", "max_grad_norm", "temperature", "beta", "clip_eps_low"]
+    finite += ["clip_eps_high", "dual_clip", "missing_eos_penalty", "overlong_penalty"]
+    finite += ["entropy_coef", "entropy_target", "entropy_coef_delta", "rso_temperature"]
+    for flag in finite:
+        value = getattr(args, flag)
+        if value is not None and not math.isfinite(value):
+            raise RunError(f"--{flag} {value}: not a finite number; pass one")
+    for flag in ["max_grad_norm", "temperature", "rso_temperature"]:
+        value = getattr(args, flag)
+        if value <= 0:
+            raise RunError(f"--{flag} {value}: must be > 0; pass a positive number")
+    at_least_0 = ["lr", "beta", "clip_eps_low", "clip_eps_high", "overlong_penalty"]
+    at_least_0 += ["entropy_coef", "entropy_coef_delta"]
+    for flag in at_least_0:
+        value = getattr(args, flag)
+        if value < 0:
+            raise RunError(f"--{flag} {value}: must be >= 0; pass 0 or a positive number")
+    if args.clip_eps_low >= 1:
+        eps = args.clip_eps_low
+        raise RunError(f"--clip_eps_low {eps}: must be < 1 (1 - it is the ratio's floor)")
+    # the flags that depend on each other
+    G = args.num_samples_per_prompt
+    if G < 2:
+        raise RunError(f"--num_samples_per_prompt {G}: a group needs >= 2; pass 2 or more")
+    candidates = args.rejection_sampling_candidates
+    if 0 < candidates < G:
+        flag = f"--rejection_sampling_candidates {candidates}"
+        raise RunError(f"{flag}: fewer than --num_samples_per_prompt {G}; raise it")
+    buffer = args.overlong_buffer
+    if buffer > args.response_length:
+        limit = f"--response_length {args.response_length}"
+        raise RunError(f"--overlong_buffer {buffer}: more than {limit}; lower it")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise RunError(f"--dual_clip {args.dual_clip}: must be > 1; pass e.g. 3")
+    if args.dual_clip is not None and args.loss_type != "ppo":
+        raise RunError("--dual_clip caps PPO's loss: pass it with --loss_type ppo")
+    step = args.num_prompts_per_step * G
+    if args.total_episodes < step:
+        why = f"less than one step's {step} responses"
+        raise RunError(f"--total_episodes {args.total_episodes}: {why}; raise it")
     if args.model == Args.model and not os.path.isdir(args.model):
         raise RunError("no SFT model at 'runs/sft/latest': run `python sft.py` or pass --model DIR")
-    tables = dict(kl_estimator=KL_ESTIMATORS, advantage=ADVANTAGES, loss_aggregation=AGGREGATIONS)
-    tables |= dict(importance_level=IMPORTANCE_LEVELS, loss_type=LOSS_TYPES)
-    for flag, table in (tables | dict(scale_rewards=REWARD_SCALES)).items():
-        if getattr(args, flag) not in table:
-            raise RunError(f"unknown --{flag} '{getattr(args, flag)}': use {', '.join(table)}")
-    if args.num_samples_per_prompt < 2 or args.temperature <= 0:
-        raise RunError("GRPO needs --num_samples_per_prompt >= 2 and --temperature > 0")
-    if 0 < args.rejection_sampling_candidates < args.num_samples_per_prompt:
-        raise RunError("--rejection_sampling_candidates must be >= --num_samples_per_prompt")
-    if args.rso_temperature <= 0 or not 0 <= args.overlong_buffer <= args.response_length:
-        raise RunError("--rso_temperature must be > 0, --overlong_buffer in [0, --response_length]")
-    if args.dual_clip is not None and (args.dual_clip <= 1 or args.loss_type != "ppo"):
-        raise RunError("--dual_clip must be > 1, with --loss_type ppo")
-    if args.total_episodes < args.num_prompts_per_step * args.num_samples_per_prompt:
-        raise RunError("--total_episodes is less than one step's responses")
 
 
 def all_reduce(x):
@@ -293,21 +402,30 @@ def main(args: Args):
     # 1. sizes, distributed setup, seeds
     check_args(args)
     rank, world_size, device = setup_distributed()
-    num_prompts, G = args.num_prompts_per_step, args.num_samples_per_prompt
+    num_prompts = args.num_prompts_per_step
+    G = args.num_samples_per_prompt
     local_prompts = data.exact_div(num_prompts, world_size, "--num_prompts_per_step or the ranks")
-    batch_size, local_batch_size = num_prompts * G, local_prompts * G  # responses a step, a rank's
-    N = args.rejection_sampling_candidates or G  # responses sampled per prompt (RSO: N, kept G)
-    share = data.exact_div(G, args.num_minibatches, "--num_minibatches")  # a minibatch's, per group
+    # responses a step, over all ranks and on this one
+    batch_size = num_prompts * G
+    local_batch_size = local_prompts * G
+    # responses sampled per prompt: G, or RSO's N candidates of which G are kept
+    N = args.rejection_sampling_candidates or G
+    # a minibatch takes `share` responses of every group
+    share = data.exact_div(G, args.num_minibatches, "--num_minibatches")
     micro_batch_size = min(args.micro_batch_size, local_prompts * share)
     data.exact_div(local_prompts * share, micro_batch_size, "--micro_batch_size")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
+    # when bf16 is off, autocast is a no-op
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     torch.manual_seed(args.seed)
 
     # 2. data, and its reward: the task's verifier and/or a reward model
     meta = data.load_meta(args.data)
-    train, test = (data.load_split(args.data, f"prompt_{split}") for split in ("train", "test"))
-    pad, eos, n_train = meta["pad_token_id"], meta["eos_token_id"], len(train["query"])
+    train = data.load_split(args.data, "prompt_train")
+    test = data.load_split(args.data, "prompt_test")
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+    n_train = len(train["query"])
     use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
     if not (use_verifier or args.reward_model):
         raise RunError("no reward: no verifier (for this task, or --no-verifier): --reward_model")
@@ -316,19 +434,24 @@ def main(args: Args):
     if n_train < num_prompts:
         raise RunError(f"prompt_train has {n_train} prompts: lower --num_prompts_per_step")
 
-    # 3. models, before the run dir (a bad --model leaves none); frozen: the reference, the reward
-    policy = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
+    # 3. models, before the run dir (a bad --model leaves none). Frozen: the reference and
+    # the reward model.
+    shard_trained = functools.partial(shard, device=device, bf16=bf16)
+    shard_frozen = functools.partial(shard, device=device, bf16=bf16, frozen=True)
+    policy = gpt2.load(args.model, meta, shard=shard_trained)
     data.check_context(train, policy.config.block_size, args.response_length)
-    frozen = lambda m: shard(m, device, bf16, frozen=True)
-    ref_policy = reward_model = None
+    ref_policy = None
+    reward_model = None
     if args.beta > 0 or args.ref_model:
-        torch.manual_seed(args.seed)  # `--model tiny`: the policy's random init again
-        ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=frozen)
+        # `--model tiny`: the policy's random init again
+        torch.manual_seed(args.seed)
+        ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=shard_frozen)
     if args.reward_model:
-        reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=frozen)
+        reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=shard_frozen)
     policy.activation_checkpointing = args.activation_checkpointing
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    fwd_policy = torch.compile(policy) if args.compile else policy  # the loss's forward passes
+    # the loss's forward passes
+    fwd_policy = torch.compile(policy) if args.compile else policy
     forward = functools.partial(gpt2.logprobs, fwd_policy, temperature=args.temperature)
     args.out_dir = start_run(args, "grpo")
     # eval/preference_accuracy's reference: the policy as loaded, before any --resume
@@ -336,184 +459,355 @@ def main(args: Args):
     n_pairs = len(pref["query"]) if pref else 0
     ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
     models = {"policy": (policy, optimizer)}
-    state = load_checkpoint(args.out_dir, models) if args.resume else {"step": 0}
-    # the entropy bonus: Skywork-OR1's coefficient, and the one applied (none until below target)
-    start, entropy_coef = state["step"], state.get("entropy_coef", args.entropy_coef)
-    entropy_bonus = state.get("entropy_bonus", args.entropy_coef * (args.entropy_target is None))
-    logprobs_of = lambda model: lambda q, r: gpt2.logprobs(model, q, r, args.temperature)[0]
-    sampling = (pad, args.response_length, eos, args.temperature)  # gpt2.generate's, after query
-    local = lambda x: torch.from_numpy(x[rank * local_prompts :][:local_prompts]).to(device)
+    state = {"step": 0}
+    if args.resume:
+        state = load_checkpoint(args.out_dir, models)
+    start = state["step"]
+    # The entropy bonus: Skywork-OR1's coefficient, and the one applied (with a target:
+    # none until the entropy is below it).
+    entropy_coef = state.get("entropy_coef", args.entropy_coef)
+    bonus = args.entropy_coef * (args.entropy_target is None)
+    entropy_bonus = state.get("entropy_bonus", bonus)
 
-    def in_micro_batches(fn, query, response):  # rewards (B,) or log-probs (B, Tr), no gradients
-        pairs = zip(query.split(micro_batch_size), response.split(micro_batch_size))
+    def local(x):
+        """This rank's rows of an array over every rank's prompts, on the device."""
+        return torch.from_numpy(x[rank * local_prompts :][:local_prompts]).to(device)
+
+    def in_micro_batches(fn, query, response):
+        """fn(query, response) by micro-batches, no gradients: rewards or log-probs."""
+        outs = []
+        queries = query.split(micro_batch_size)
+        responses = response.split(micro_batch_size)
         with torch.no_grad(), ctx:
-            return torch.cat([fn(gpt2.trim_padding(q, None, pad)[0], r) for q, r in pairs])
+            for q, r in zip(queries, responses):
+                q = gpt2.trim_padding(q, None, pad)[0]
+                outs.append(fn(q, r))
+        return torch.cat(outs)
 
-    def rollout(step, round_):  # plain GRPO's steps 1-3 on this rank's share of a sampling round
-        # 1. prompts: the step's slice of one permutation per epoch (later rounds: a fresh one)
+    def reward_of(query, response):
+        return gpt2.get_reward(reward_model, query, response, pad, eos)
+
+    def ref_logprobs_of(query, response):
+        return gpt2.logprobs(ref_policy, query, response, args.temperature)[0]
+
+    def old_logprobs_of(query, response):
+        return gpt2.logprobs(fwd_policy, query, response, args.temperature)[0]
+
+    def rollout(step, round_):
+        """Generate and score responses to this rank's share of a step's prompts.
+        round_ > 0: dynamic sampling's later rounds, on other prompts."""
+        # the step's slice of one permutation per epoch; a later round: a fresh one
         order = data.batch_indices(args.seed, step, n_train, num_prompts)
         if round_ > 0:
-            order = np.random.default_rng([args.seed, step, round_, 5]).permutation(n_train)
-        prompt_idx = order[rank * local_prompts :][:local_prompts]  # rank r's contiguous share
-        query = torch.from_numpy(train["query"][prompt_idx]).to(device).repeat_interleave(N, 0)
-        # 2. generate with global uniforms (any rank count alike); its log-probs are pi_old's
+            rng = np.random.default_rng([args.seed, step, round_, 5])
+            order = rng.permutation(n_train)
+        # rank r's contiguous share
+        prompt_idx = order[rank * local_prompts :][:local_prompts]
+        query = torch.from_numpy(train["query"][prompt_idx]).to(device)
+        query = query.repeat_interleave(N, 0)
+
+        # Generate with the step's global uniforms: the same samples at any rank count.
+        # The sampler's log-probs are pi_old's. local_batch_size rows at a time: RSO's
+        # N candidates take no more memory.
         rng = np.random.default_rng([args.seed, step, round_, 2])
         noise = local(rng.random((num_prompts, N, args.response_length), np.float32))
-        chunks = zip(query.split(local_batch_size), noise.flatten(0, 1).split(local_batch_size))
-        with ctx:  # local_batch_size rows at a time: RSO's N candidates take no more memory
-            outs = [gpt2.generate(policy, q, *sampling, u) for q, u in chunks]
-        out = gpt2.Rollout(query, *(torch.cat(x) for x in list(zip(*outs))[1:]))
-        # 3. score: the verifier and/or the reward model, minus the missing-stop penalty
-        stopped, scores = (out.response == eos).any(1), torch.zeros(len(query), device=device)
+        noise = noise.flatten(0, 1)
+        chunks = []
+        with ctx:
+            for q, u in zip(query.split(local_batch_size), noise.split(local_batch_size)):
+                chunk = gpt2.generate(
+                    policy,
+                    q,
+                    pad_token_id=pad,
+                    max_new_tokens=args.response_length,
+                    eos_token_id=eos,
+                    temperature=args.temperature,
+                    noise=u,
+                )
+                chunks.append(chunk)
+        # each chunk trimmed its own queries' padding: the queries are kept whole
+        response = torch.cat([chunk.response for chunk in chunks])
+        response_mask = torch.cat([chunk.mask for chunk in chunks])
+        logprobs = torch.cat([chunk.logprobs for chunk in chunks])
+
+        # score: the verifier and/or the reward model, minus the missing-stop penalty
+        stopped = (response == eos).any(1)
+        scores = torch.zeros(len(query), device=device)
         if use_verifier:
             truth = np.repeat(train["ground_truth"][prompt_idx], N)
-            scores += torch.tensor(data.verify_batch(meta, out.response.tolist(), truth)).to(device)
+            correct = data.verify_batch(meta, response.tolist(), truth)
+            scores += torch.tensor(correct).to(device)
         if reward_model is not None:
-            reward = lambda q, r: gpt2.get_reward(reward_model, q, r, pad, eos)
-            scores += in_micro_batches(reward, query, out.response)
+            scores += in_micro_batches(reward_of, query, response)
         if args.missing_eos_penalty is not None:
             scores -= args.missing_eos_penalty * (~stopped).float()
-        if args.overlong_buffer:  # DAPO's soft overlong punishment
-            overlong = (args.response_length, args.overlong_buffer, args.overlong_penalty)
-            scores += overlong_penalty(out.mask.sum(1), *overlong)
+        if args.overlong_buffer:
+            # DAPO's soft overlong punishment
+            scores += overlong_penalty(
+                lengths=response_mask.sum(1),
+                max_length=args.response_length,
+                buffer=args.overlong_buffer,
+                penalty=args.overlong_penalty,
+            )
         # DAPO's overlong filtering: a response that never stops is out of the loss
-        mask = (out.mask & stopped[:, None] if args.mask_truncated else out.mask).float()
-        batch = dict(out._asdict(), response_mask=out.mask.float(), mask=mask, scores=scores)
-        if args.rejection_sampling_candidates:  # RSO: keep G of the N, uniforms keyed as noise
+        mask = response_mask
+        if args.mask_truncated:
+            mask = response_mask & stopped[:, None]
+        batch = dict(
+            query=query,
+            response=response,
+            mask=mask.float(),
+            logprobs=logprobs,
+            response_mask=response_mask.float(),
+            scores=scores,
+        )
+        if args.rejection_sampling_candidates:
+            # RSO: keep G of the N candidates, with uniforms keyed as the noise is
             rng = np.random.default_rng([args.seed, step, round_, 4])
-            u = local(rng.random((num_prompts, G, N)))
-            keep, rounds = rso_select(scores.view(-1, N), G, args.rso_temperature, u)
-            batch["rso_rounds"] = rounds.repeat_interleave(N)  # per response, for the metrics
-            rows = (keep + N * torch.arange(local_prompts, device=device)[:, None]).flatten()
+            uniforms = local(rng.random((num_prompts, G, N)))
+            candidates = scores.view(-1, N)
+            keep, rounds = rso_select(candidates, G, args.rso_temperature, uniforms)
+            # per response, for the metrics
+            batch["rso_rounds"] = rounds.repeat_interleave(N)
+            first_candidate = N * torch.arange(local_prompts, device=device)[:, None]
+            rows = (keep + first_candidate).flatten()
             batch = {k: v[rows] for k, v in batch.items()}
         return batch
 
-    def evaluate():  # greedy and sampled accuracy on prompt_test, and the preference pairs'
-        metrics, size = {}, (args.eval_size, local_batch_size, args.response_length, ctx)
+    def evaluate():
+        """Greedy and sampled accuracy on prompt_test, and on the preference pairs."""
+        metrics = {}
         if use_verifier and args.eval_size:
-            metrics["eval/accuracy"] = data.greedy_accuracy(policy, test, meta, *size)
+            metrics["eval/accuracy"] = data.greedy_accuracy(
+                policy,
+                test,
+                meta,
+                eval_size=args.eval_size,
+                batch_size=local_batch_size,
+                response_length=args.response_length,
+                ctx=ctx,
+            )
         if use_verifier and args.eval_size and args.eval_samples:
-            samples = (args.eval_samples, args.temperature, args.seed)
-            metrics |= data.sampled_accuracy(policy, test, meta, *size, *samples)
+            metrics |= data.sampled_accuracy(
+                policy,
+                test,
+                meta,
+                eval_size=args.eval_size,
+                batch_size=local_batch_size,
+                response_length=args.response_length,
+                ctx=ctx,
+                samples=args.eval_samples,
+                temperature=args.temperature,
+                seed=args.seed,
+            )
         if n_pairs:
             logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
-            metrics["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_pair_logps)
+            accuracy = data.preference_accuracy(logps, ref_pair_logps)
+            metrics["eval/preference_accuracy"] = accuracy
         return metrics
 
-    show = ("objective/scores", "objective/kl", "eval/accuracy", "perf/episodes_per_sec")
-    if start == 0 and (metrics := evaluate()):  # the starting point
-        log_metrics(args.out_dir, 0, metrics, show)
+    # the status line's few numbers; metrics.jsonl has every one
+    show = (
+        "objective/scores",
+        "objective/kl",
+        "eval/accuracy",
+        "perf/episodes_per_sec",
+    )
+    if start == 0:
+        # the starting point
+        metrics = evaluate()
+        if metrics:
+            log_metrics(args.out_dir, 0, metrics, show)
 
-    # 4. training loop
-    importance = IMPORTANCE_LEVELS[args.importance_level]
-    clip = dict(clip_low=args.clip_eps_low, clip_high=args.clip_eps_high, dual_clip=args.dual_clip)
-    surrogate = functools.partial(LOSS_TYPES[args.loss_type], **clip)
+    # 4. training loop: generate -> score -> advantages -> update -> log
+    surrogate = cispo_loss if args.loss_type == "cispo" else grpo_loss
     entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
-    num_steps, t0, t0_step = args.total_episodes // batch_size, time.time(), start
+    num_steps = args.total_episodes // batch_size
+    t0 = time.time()
+    t0_step = start
     for step in range(start, num_steps):
         done = step + 1
         eval_now = done % args.eval_every == 0 or done == num_steps
         log_now = done % args.log_every == 0 or step == start or eval_now
-        # 4a. rollout (steps 1-3); DAPO's dynamic sampling repeats it and selects groups
+
+        # 4a. generate and score; DAPO's dynamic sampling repeats it and selects groups
         if args.dynamic_sampling:
-            sizes = (num_prompts, G, args.max_sampling_rounds, rank, world_size)
-            batch, sampled = dynamic_sampling(functools.partial(rollout, step), *sizes)
+            batch, sampled = dynamic_sampling(
+                functools.partial(rollout, step),
+                num_prompts=num_prompts,
+                group_size=G,
+                max_rounds=args.max_sampling_rounds,
+                rank=rank,
+                world_size=world_size,
+            )
         else:
-            batch = sampled = rollout(step, 0)
-        query, response, mask = batch["query"], batch["response"], batch["mask"]
-        response_mask = batch["response_mask"]  # every response token, stop included
+            batch = rollout(step, 0)
+            sampled = batch
+        query = batch["query"]
+        response = batch["response"]
+        # the loss's tokens; and every response token, stop included
+        mask = batch["mask"]
+        response_mask = batch["response_mask"]
 
         # 4b. log-probs under pi_ref (when there is one) and, if asked, pi_old's once more
-        ref_logprobs, old_logprobs, scores = None, batch["logprobs"], batch["scores"]
+        ref_logprobs = None
+        old_logprobs = batch["logprobs"]
+        scores = batch["scores"]
         if ref_policy is not None:
-            ref_logprobs = in_micro_batches(logprobs_of(ref_policy), query, response)
+            ref_logprobs = in_micro_batches(ref_logprobs_of, query, response)
         if args.recompute_old_logprobs:
-            old_logprobs = in_micro_batches(logprobs_of(fwd_policy), query, response)
+            old_logprobs = in_micro_batches(old_logprobs_of, query, response)
         if args.kl_in_reward and ref_logprobs is not None:
             scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
 
-        # 4c. advantages: within each prompt's group (all of it on this rank), then the batch's
+        # 4c. advantages: within each prompt's group (all on this rank), then the batch's
         advantages = group_advantages(scores, G, args.advantage, args.scale_rewards)
         if args.batch_norm_advantages:
             moments = torch.stack([advantages.sum(), advantages.square().sum()]).double()
             mean, mean_sq = all_reduce(moments) / batch_size
-            advantages = ((advantages - mean) / ((mean_sq - mean**2).sqrt() + 1e-8)).float()
+            std = (mean_sq - mean**2).sqrt()
+            advantages = ((advantages - mean) / (std + 1e-8)).float()
 
-        # 4d. update: num_epochs x num_minibatches optimizer steps, each on a share of every group
-        sums, grad_norms = {}, []
+        # 4d. update: num_epochs x num_minibatches optimizer steps, each on a share of
+        # every group. The metrics sum over the loss's tokens: every epoch's (the
+        # entropy: the first epoch's).
+        sums = {}
+        entropy_sum = 0
+        grad_norms = []
         for epoch, minibatch in np.ndindex(args.num_epochs, args.num_minibatches):
-            u = local(np.random.default_rng([args.seed, step, epoch, 3]).random((num_prompts, G)))
-            order = u.argsort(1)[:, minibatch * share :][:, :share]  # a share of each group
-            mb_idx = (order + G * torch.arange(local_prompts, device=device)[:, None]).flatten()
-            weights, count = AGGREGATIONS[args.loss_aggregation](mask[mb_idx])
-            weights = weights / all_reduce(count.float()).clamp(min=1)  # counted over all ranks
-            micros = list(zip(mb_idx.split(micro_batch_size), weights.split(micro_batch_size)))
-            with_entropy = (log_now and epoch == 0) or entropy_in_loss  # to log, or for a bonus
-            for micro, (idx, mb_weights) in enumerate(micros):
+            rng = np.random.default_rng([args.seed, step, epoch, 3])
+            u = local(rng.random((num_prompts, G)))
+            # a share of each group
+            order = u.argsort(1)[:, minibatch * share :][:, :share]
+            group_start = G * torch.arange(local_prompts, device=device)[:, None]
+            mb_idx = (order + group_start).flatten()
+            mb_weights = loss_weights(mask[mb_idx], args.loss_aggregation)
+            micro_idx = mb_idx.split(micro_batch_size)
+            micro_weights = mb_weights.split(micro_batch_size)
+            # the entropy: to log it, or for the bonus
+            with_entropy = (log_now and epoch == 0) or entropy_in_loss
+            for micro, idx in enumerate(micro_idx):
                 if dist.is_initialized():
-                    policy.set_requires_gradient_sync(micro == len(micros) - 1)
-                with ctx:
-                    new_logprobs, entropy = forward(query[idx], response[idx], entropy=with_entropy)
+                    policy.set_requires_gradient_sync(micro == len(micro_idx) - 1)
+                mb_query = query[idx]
+                mb_response = response[idx]
                 mb_mask = mask[idx]
-                # the first minibatch is exactly on-policy: its pi_old is this forward's, detached
-                old = new_logprobs.detach() if epoch == minibatch == 0 else old_logprobs[idx]
-                logratio = torch.where(mb_mask.bool(), new_logprobs - old, 0.0)
-                pg_loss, ratio, clipped = surrogate(importance(logratio, mb_mask), advantages[idx])
-                stats = {"val/ratio": ratio, "val/ratio_var": ratio**2, "loss/policy_avg": pg_loss}
-                stats |= {"policy/approxkl_avg": 0.5 * logratio**2, "policy/clipfrac_avg": clipped}
+                with ctx:
+                    new_logprobs, entropy = forward(mb_query, mb_response, entropy=with_entropy)
+                # the first minibatch is on-policy: its pi_old is this forward's, detached
+                if epoch == 0 and minibatch == 0:
+                    old = new_logprobs.detach()
+                else:
+                    old = old_logprobs[idx]
+                log_ratio = torch.where(mb_mask.bool(), new_logprobs - old, 0.0)
+
+                # the loss: the surrogate, plus beta x the KL, minus the entropy bonus
+                pg_loss, ratio, clipped = surrogate(
+                    importance_log_ratio(log_ratio, mb_mask, args.importance_level),
+                    advantages[idx],
+                    clip_low=args.clip_eps_low,
+                    clip_high=args.clip_eps_high,
+                    dual_clip=args.dual_clip,
+                )
                 loss = pg_loss
+                kl = None
                 if ref_logprobs is not None and not args.kl_in_reward:
-                    kl = kl_penalty(new_logprobs, ref_logprobs[idx], old, args.kl_estimator)
-                    loss, stats["loss/kl_avg"] = loss + args.beta * kl, kl
-                if entropy is not None and epoch == 0:  # x num_epochs: its token mean
-                    stats["objective/entropy"] = entropy * args.num_epochs
-                if entropy_bonus:  # aggregated as the loss is
+                    mb_ref_logprobs = ref_logprobs[idx]
+                    kl = kl_penalty(new_logprobs, mb_ref_logprobs, old, args.kl_estimator)
+                    loss = loss + args.beta * kl
+                if entropy_bonus:
                     loss = loss - entropy_bonus * entropy
-                ((loss * mb_weights).sum() * world_size).backward()  # FSDP2 averages over ranks
-                for name, value in stats.items():
-                    sums[name] = sums.get(name, 0) + (value.detach().double() * mb_mask).sum()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                # FSDP2 averages the gradients over ranks: x world_size, their sum
+                ((loss * micro_weights[micro]).sum() * world_size).backward()
+
+                # then the metrics' sums over the loss's tokens
+                with torch.no_grad():
+                    per_token = {
+                        "val/ratio": ratio,
+                        "ratio_squared": ratio**2,
+                        "loss/policy_avg": pg_loss,
+                        "policy/approxkl_avg": 0.5 * log_ratio**2,
+                        "policy/clipfrac_avg": clipped,
+                    }
+                    if kl is not None:
+                        per_token["loss/kl_avg"] = kl
+                    for name, value in per_token.items():
+                        sums[name] = sums.get(name, 0) + (value.double() * mb_mask).sum()
+                    if entropy is not None and epoch == 0:
+                        entropy_sum = entropy_sum + (entropy.double() * mb_mask).sum()
+            params = policy.parameters()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
             if not torch.isfinite(grad_norm):
                 raise RunError(f"non-finite grad norm at step {done}: lower --lr (or --resume)")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(grad_norm)  # the global norm, before clipping
+            # the global norm, before clipping
+            grad_norms.append(grad_norm)
 
-        # 4e. log means over the loss's tokens or every response sampled, of all ranks at once
+        # 4e. log: means over the loss's tokens or every response sampled, of all ranks
         if log_now:
-            tokens = all_reduce(mask.sum().double()).clamp(min=1) * args.num_epochs
-            metrics = {name: value / tokens for name, value in sums.items()}
-            n_sampled = len(sampled["scores"]) * world_size  # every round's responses
-            metrics["objective/scores"] = sampled["scores"].sum() / n_sampled
-            metrics["objective/response_length"] = sampled["response_mask"].sum() / n_sampled
-            metrics["val/stop_frac"] = (sampled["response"] == eos).any(1).sum() / n_sampled
-            zero_std = zero_std_groups(sampled["scores"], G).sum()  # dynamic sampling drops these
-            metrics["objective/zero_std_frac"] = zero_std * G / n_sampled
-            metrics |= {"objective/dropped_groups": zero_std} if args.dynamic_sampling else {}
+            # each rank's share of a mean, then the sum over ranks in one collective
+            local_means = {}
+            loss_tokens = all_reduce(mask.sum().double()).clamp(min=1)
+            for name, total in sums.items():
+                local_means[name] = total / (loss_tokens * args.num_epochs)
+            local_means["objective/entropy"] = entropy_sum / loss_tokens
+            # every round's responses
+            n_sampled = len(sampled["scores"]) * world_size
+            local_means["objective/scores"] = sampled["scores"].sum() / n_sampled
+            lengths = sampled["response_mask"].sum()
+            local_means["objective/response_length"] = lengths / n_sampled
+            stops = (sampled["response"] == eos).any(1).sum()
+            local_means["val/stop_frac"] = stops / n_sampled
+            # the groups of equal rewards, which dynamic sampling drops
+            zero_std = zero_std_groups(sampled["scores"], G).sum()
+            local_means["objective/zero_std_frac"] = zero_std * G / n_sampled
+            if args.dynamic_sampling:
+                local_means["objective/dropped_groups"] = zero_std
             if "rso_rounds" in sampled:
-                metrics["objective/rso_rounds"] = sampled["rso_rounds"].sum() / n_sampled
-            if ref_logprobs is not None:  # KL(pi_old || pi_ref) per token: k3, whatever the loss's
-                k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3") * response_mask
-                metrics["objective/kl"] = k3.sum() / all_reduce(response_mask.sum())
-            values = all_reduce(torch.stack([value.double() for value in metrics.values()]))
-            metrics = dict(zip(metrics, values.tolist()))
-            metrics["val/ratio_var"] -= metrics["val/ratio"] ** 2
+                rso_rounds = sampled["rso_rounds"].sum()
+                local_means["objective/rso_rounds"] = rso_rounds / n_sampled
+            if ref_logprobs is not None:
+                # KL(pi_old || pi_ref) per token: k3, whatever the loss's estimator
+                k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3")
+                kl_sum = (k3 * response_mask).sum()
+                local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
+            names = list(local_means)
+            values = torch.stack([local_means[name].double() for name in names])
+            totals = all_reduce(values)
+            metrics = dict(zip(names, totals.tolist()))
+            # Var[ratio] = E[ratio^2] - E[ratio]^2
+            ratio_squared = metrics.pop("ratio_squared")
+            metrics["val/ratio_var"] = ratio_squared - metrics["val/ratio"] ** 2
             metrics["train/grad_norm"] = torch.stack(grad_norms).mean().item()
-            metrics["perf/episodes_per_sec"] = (done - t0_step) * batch_size / (time.time() - t0)
+            episodes = (done - t0_step) * batch_size
+            metrics["perf/episodes_per_sec"] = episodes / (time.time() - t0)
             if args.dynamic_sampling:
                 metrics["objective/sampling_rounds"] = n_sampled // batch_size
-            metrics |= {"policy/entropy_coef": entropy_bonus} if entropy_in_loss else {}
-            log_metrics(args.out_dir, done, metrics | (evaluate() if eval_now else {}), show)
-        if args.entropy_target is not None:  # the next step's coefficient, from this one's entropy
-            h = all_reduce(torch.stack([sums["objective/entropy"], mask.sum().double()]))
-            entropy = (h[0] / h[1].clamp(min=1)).item() / args.num_epochs
-            delta = (args.entropy_target, args.entropy_coef_delta)
-            entropy_coef, entropy_bonus = adaptive_entropy_coef(entropy_coef, entropy, *delta)
+            if entropy_in_loss:
+                metrics["policy/entropy_coef"] = entropy_bonus
+            if eval_now:
+                metrics |= evaluate()
+            log_metrics(args.out_dir, done, metrics, show)
+        if args.entropy_target is not None:
+            # the next step's coefficient, from this step's mean entropy (Skywork-OR1)
+            totals = all_reduce(torch.stack([entropy_sum, mask.sum().double()]))
+            mean_entropy = (totals[0] / totals[1].clamp(min=1)).item()
+            entropy_coef, entropy_bonus = adaptive_entropy_coef(
+                entropy_coef,
+                mean_entropy,
+                target=args.entropy_target,
+                delta=args.entropy_coef_delta,
+            )
+        # a checkpoint when due, or on SIGTERM
         extra = dict(entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
-        checkpoint(args, done, models, device, due=eval_now, extra=extra)  # also on SIGTERM
+        checkpoint(args, done, models, device, due=eval_now, extra=extra)
         if log_now:
-            t0, t0_step = time.time(), done  # the rate leaves out eval and checkpoint time
+            # the rate leaves out eval and checkpoint time
+            t0 = time.time()
+            t0_step = done
 
     # 5. the final policy in the HF GPT-2 layout, where pipeline.py looks
     gpt2.save(policy, args.out_dir)

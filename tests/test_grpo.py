@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
@@ -53,6 +54,10 @@ def metrics(out_dir):  # one dict per logged step
     return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
 
 
+def choices(flag):  # a Literal flag's choices, as --help lists them
+    return get_args(grpo.Args.__annotations__[flag])
+
+
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
     """A tiny model after a short SFT: it has learnt to answer with digits and a stop token."""
@@ -68,7 +73,7 @@ def sft_model(tmp_path_factory):
 NEW, REF, OLD = [-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5], [-1.2, -2.5, -0.4]
 
 
-@pytest.mark.parametrize("est", list(grpo.KL_ESTIMATORS))
+@pytest.mark.parametrize("est", choices("kl_estimator"))
 def test_kl_estimator_values_and_gradients(est):
     new = torch.tensor(NEW, dtype=torch.float64, requires_grad=True)
     ref, old = torch.tensor(REF, dtype=torch.float64), torch.tensor(OLD, dtype=torch.float64)
@@ -97,7 +102,7 @@ def test_which_kl_gradients_are_unbiased():
     logp = torch.log_softmax(t, 0)
     kls = (logp.exp() * (logp - logq)).sum(), (logq.exp() * (logq - logp)).sum()
     true_kl, reverse = (torch.autograd.grad(kl, t, retain_graph=True)[0] for kl in kls)
-    on = {k: expected_grad(k, theta, logq, theta.detach()) for k in grpo.KL_ESTIMATORS}
+    on = {k: expected_grad(k, theta, logq, theta.detach()) for k in choices("kl_estimator")}
     assert true_kl.abs().max() > 0.1 and (true_kl - reverse).abs().max() > 0.1
     assert torch.allclose(on["k2"], true_kl) and torch.allclose(on["k4"], true_kl)  # on-policy
     assert on["k1"].abs().max() < 1e-12  # E[grad log pi] = 0: k1 does not pull toward q
@@ -114,13 +119,12 @@ def test_extreme_log_ratios_are_clamped_so_loss_and_gradient_stay_finite():
     new = torch.tensor([[-200.0, 0.0, -1.0]], requires_grad=True)
     ref, old, mask = torch.tensor([[0.0, -200.0, -1.0]]), new.detach().clone(), torch.ones(1, 3)
     assert torch.isinf(torch.expm1(-(new - ref))).any()  # what the clamp prevents
-    for est in grpo.KL_ESTIMATORS:
+    for est in choices("kl_estimator"):
         for beta in (0.0, 0.1):
             new.grad = None
             kl = grpo.kl_penalty(new, ref, old, est)
             loss = grpo.grpo_loss(new - old, torch.tensor([1.0]), 0.2, 0.2)[0] + beta * kl
-            weights, count = grpo.AGGREGATIONS["token"](mask)
-            ((loss * weights).sum() / count).backward()
+            (loss * grpo.loss_weights(mask, "token")).sum().backward()
             assert torch.isfinite(loss).all() and torch.isfinite(new.grad).all(), est
     clamp = grpo.KL_CLAMP
     assert grpo.kl_penalty(new, ref, old, "k1").tolist() == [[-clamp, clamp, 0.0]]
@@ -160,7 +164,7 @@ def surrogate_grad(ratio, advantages, clip_low, clip_high, level="token", mask=N
     """d loss / d log pi per token for given ratios pi / pi_old (B, T); the ratio; the clip."""
     new = ratio.log().clone().requires_grad_(True)
     mask = torch.ones_like(ratio) if mask is None else mask
-    logratio = grpo.IMPORTANCE_LEVELS[level](torch.where(mask.bool(), new, 0.0), mask)
+    logratio = grpo.importance_log_ratio(torch.where(mask.bool(), new, 0.0), mask, level)
     loss, ratio, clipped = grpo.grpo_loss(logratio, advantages, clip_low, clip_high)
     (loss * mask).sum().backward()
     return new.grad, ratio.detach(), clipped
@@ -229,7 +233,7 @@ def test_aggregation_weights_and_dr_grpo_constant_normaliser():
     """d loss / d per-token loss: token = 1 / tokens, sequence = 1 / (len_i * responses), dr_grpo =
     1 / (responses * response_length) for every token whatever the lengths (no length bias)."""
     mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
-    weights = {how: w / n for how, (w, n) in ((h, f(mask)) for h, f in grpo.AGGREGATIONS.items())}
+    weights = {how: grpo.loss_weights(mask, how) for how in choices("loss_aggregation")}
     assert torch.allclose(weights["token"], mask / 7)
     assert torch.allclose(weights["sequence"], mask / mask.sum(1, keepdim=True) / 3)
     assert torch.allclose(weights["dr_grpo"], mask / 12)
@@ -332,7 +336,7 @@ def test_pad_other_than_eos_gives_the_same_logprobs_losses_and_rewards():
         logratio = torch.where(mask.bool(), new - old, 0.0)
         loss = grpo.grpo_loss(logratio, torch.tensor([1.0, -1.0, 0.5, 2.0]), 0.2, 0.28)[0]
         loss = loss + 0.1 * grpo.kl_penalty(new, ref, old, "k3")
-        agg = [(loss * w).sum() / n for w, n in (f(mask) for f in grpo.AGGREGATIONS.values())]
+        agg = [(loss * grpo.loss_weights(mask, how)).sum() for how in choices("loss_aggregation")]
         out[pad] = [new * mask, *agg, gpt2.get_reward(rm, q, r, pad, EOS)]
     for a, b in zip(out[EOS], out[257]):
         assert torch.allclose(a, b, atol=1e-5), (a, b)
@@ -536,20 +540,24 @@ def test_the_design_line_on_a_fresh_clone_names_sft(tmp_path):
 
 
 BAD = {  # flags: the error
-    "--kl_estimator k5": "unknown --kl_estimator 'k5': use k1, k2, k3, k4",
-    "--loss_aggregation x": "unknown --loss_aggregation 'x'",
-    "--num_samples_per_prompt 1": "per_prompt >= 2",
+    "--lr -1": "--lr -1.0: must be >= 0",
+    "--num_prompts_per_step 0": "--num_prompts_per_step 0: must be at least 1",
+    "--temperature nan": "--temperature nan: not a finite number",
+    "--clip_eps_low inf": "--clip_eps_low inf: not a finite number",
+    "--clip_eps_low 1": "--clip_eps_low 1.0: must be < 1",
+    "--max_grad_norm 0": "--max_grad_norm 0.0: must be > 0",
+    "--eval_size -1": "--eval_size -1: must be >= 0",
+    "--num_minibatches 0": "--num_minibatches 0: must be at least 1",
+    "--num_samples_per_prompt 1": "--num_samples_per_prompt 1: a group needs >= 2",
     "--num_minibatches 3": "4 does not divide by 3: change --num_minibatches",
     "--model /x": "no checkpoint at '/x'",
-    "--total_episodes 8": "less than one step",
+    "--total_episodes 8": "--total_episodes 8: less than one step's 32 responses",
     "--response_length 80": "exceed the model's context: lower --response_length",
-    "--scale_rewards std": "unknown --scale_rewards 'std': use group, batch, none",
-    "--loss_type x": "unknown --loss_type 'x': use ppo, cispo",
-    "--dual_clip 0.5": "--dual_clip must be > 1",
+    "--dual_clip 0.5": "--dual_clip 0.5: must be > 1",
     "--loss_type cispo --dual_clip 3": "with --loss_type ppo",
-    "--rejection_sampling_candidates 2": "must be >= --num_samples_per_prompt",
-    "--rso_temperature 0": "--rso_temperature must be > 0",
-    "--overlong_buffer 5": "--overlong_buffer in [0, --response_length]",
+    "--rejection_sampling_candidates 2": "--rejection_sampling_candidates 2: fewer than",
+    "--rso_temperature 0": "--rso_temperature 0.0: must be > 0",
+    "--overlong_buffer 5": "--overlong_buffer 5: more than --response_length 4",
     "--no-verifier --reward_model /x --eval_samples 2": "--eval_samples scores with the task's verifier",
 }
 
@@ -569,3 +577,27 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(tmp_path, sft_model):
     p = run(["--model", sft_model, "--out_dir", str(tmp_path), "--resume", *SMALL], check=False)
     want = f"error: --resume: no complete checkpoint in {tmp_path}/checkpoints: drop --resume"
     assert p.returncode == 1 and p.stderr.strip() == want, p.stderr
+
+
+@pytest.mark.parametrize("flags", ["--lr -1", "--num_prompts_per_step 0", "--temperature nan"])
+def test_bad_numbers_exit_1_with_one_line(tmp_path, flags):
+    """As a user runs them: exit status 1, one line naming the flag, no traceback, no run dir."""
+    args = ["--out_dir", str(tmp_path / "x"), *flags.split()]
+    p = run(args, check=False, cwd=tmp_path, script=str(ROOT / "grpo.py"))
+    assert p.returncode == 1 and p.stderr.startswith(f"error: {flags.split()[0]} "), p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("kl_estimator", "k5"), ("loss_aggregation", "x"), ("scale_rewards", "std")]
+    + [("loss_type", "x"), ("advantage", "x"), ("importance_level", "x"), ("dtype", "fp16")],
+)
+def test_choice_flags_reject_other_values_listing_the_choices(capsys, flag, value):
+    """Literal flags: tyro stops at parsing (exit status 2), naming the value and every choice."""
+    with pytest.raises(SystemExit) as e:
+        grpo.tyro.cli(grpo.Args, args=[f"--{flag}", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"'{value}'" in err, err
+    assert all(choice in err for choice in choices(flag)), err
