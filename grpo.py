@@ -375,6 +375,13 @@ def all_reduce(x):
     return x
 
 
+def all_reduce_dict(sums):
+    """{name: scalar tensor} summed over ranks in one collective -> {name: float}."""
+    names = list(sums)
+    total = all_reduce(torch.stack([sums[name].double() for name in names]))
+    return dict(zip(names, total.tolist()))
+
+
 def shard(model, device, bf16, frozen=False):
     """The model on its device; under torchrun, FSDP2: each block (bf16 params), then the root
     (tied wte and lm_head, fp32 for the fp32 head). Frozen (reference, reward): no gradients."""
@@ -774,10 +781,7 @@ def main(args: Args):
                 k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3")
                 kl_sum = (k3 * response_mask).sum()
                 local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
-            names = list(local_means)
-            values = torch.stack([local_means[name].double() for name in names])
-            totals = all_reduce(values)
-            metrics = dict(zip(names, totals.tolist()))
+            metrics = all_reduce_dict(local_means)
             # Var[ratio] = E[ratio^2] - E[ratio]^2
             ratio_squared = metrics.pop("ratio_squared")
             metrics["val/ratio_var"] = ratio_squared - metrics["val/ratio"] ** 2
