@@ -80,15 +80,15 @@ class Args:
     simpo_gamma: float = 0.5  # γ, SimPO's target reward margin (TRL's simpo_gamma)
     reference_free: bool = False  # log π_ref = 0: no reference pass
     rpo_alpha: float = 0.0  # weight of the chosen response's NLL in the loss (RPO)
-    rpo_normalization: RpoNormalization = "sequence"  # RPO's NLL per sequence or token
+    rpo_normalization: RpoNormalization = "sequence"  # NLL per sequence (paper) or token (TRL)
     response_length: int = 16  # max new tokens when generating for eval accuracy
     eval_every: int = 100  # steps between evals and checkpoints
     eval_size: int = 500  # held-out pairs and prompts for eval (0: no eval)
     log_every: int = 10  # steps between status lines and metrics rows
     keep_checkpoints: int = 2  # checkpoints kept in out_dir/checkpoints (at least 1)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA only
     compile: bool = False  # torch.compile the model
-    activation_checkpointing: bool = False  # recompute block activations in backward
+    activation_checkpointing: bool = False  # less memory: recompute block activations
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
@@ -122,8 +122,7 @@ def pair_loss(logps, ref_logps, lengths, args):
         # SLiC-HF (Zhao et al. 2023): max(0, 1 - βh), no loss past a margin 1/β
         loss = torch.relu(1 - args.beta * (pi_logratios - ref_logratios))
     elif args.loss_type in ("ipo", "ipo_sum"):
-        # IPO eq. 17 (Azar et al. 2023): h regressed onto 1/(2β), not pushed up
-        # without bound
+        # IPO eq. 17 (Azar et al. 2023): h regressed onto 1/(2β), not pushed to infinity
         loss = (pi_logratios - ref_logratios - 1 / (2 * args.beta)) ** 2
     return loss, rewards
 
@@ -174,7 +173,7 @@ def check_args(args):
         raise RunError(f"--min_lr_ratio {ratio}: a fraction of --lr; pass one in [0, 1]")
     eps = args.label_smoothing
     if not 0 <= eps < 0.5:
-        raise RunError(f"--label_smoothing {eps}: a share of labels; pass one in [0, 0.5)")
+        raise RunError(f"--label_smoothing {eps}: the share of flipped labels is in [0, 0.5)")
     if eps and args.loss_type not in ("sigmoid", "dpo_norm", "simpo"):
         fix = "use sigmoid, dpo_norm or simpo"
         raise RunError(f"--label_smoothing: no smoothing in {args.loss_type}; {fix}")
@@ -186,7 +185,7 @@ def check_args(args):
         if value < 1:
             raise RunError(f"--{flag} {value}: must be at least 1; try the default {default}")
     if args.eval_every < 1:
-        raise RunError(f"--eval_every {args.eval_every}: at least 1; no eval: --eval_size 0")
+        raise RunError(f"--eval_every {args.eval_every}: at least 1; no eval is --eval_size 0")
     if args.log_every < 1:
         raise RunError(f"--log_every {args.log_every}: at least 1; pass 1 to log every step")
     if args.keep_checkpoints < 1:
@@ -241,7 +240,10 @@ def main(args: Args):
     local_batch_size = data.exact_div(args.batch_size, world_size, "--batch_size or the ranks")
     micro_batch_size = min(args.micro_batch_size, local_batch_size)
     grad_accum = data.exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
+    # bf16 when asked for; `auto` picks it on CUDA, not on CPU
+    bf16 = args.dtype == "bfloat16"
+    if args.dtype == "auto":
+        bf16 = device.type == "cuda"
     # with bf16 off, the autocast context is a no-op
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     torch.manual_seed(args.seed)
@@ -393,9 +395,8 @@ def main(args: Args):
             query_tokens = int((train["query"][idx] != pad).sum())
             tokens += lengths.sum() + 2 * query_tokens
 
-        # 5c. clip (to the global norm, returned as it was before) and step
-        max_norm = args.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        # 5c. clip by the global norm (returned as it was before clipping), step
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         # under FSDP2 the norm is a DTensor: the global norm is its full tensor
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
