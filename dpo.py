@@ -1,19 +1,27 @@
-"""Direct Preference Optimization (DPO) and its variants: fit the policy to preference pairs,
-without a reward model or RL.
+"""Direct Preference Optimization (DPO) and its variants: fit the policy to
+preference pairs, without a reward model or RL.
 
-Rafailov et al. 2023. log π(y) sums a response's token log-probs up to its first stop token, and
-h = [log π(y_w) - log π_ref(y_w)] - [log π(y_l) - log π_ref(y_l)]. --loss_type: sigmoid (DPO eq.
-7; cDPO with --label_smoothing), hinge (SLiC-HF), ipo and ipo_sum (IPO eq. 17 on length-averaged
-or summed log-probs), dpo_norm (DPO on length-averaged log-probs, Tulu 3), simpo (SimPO eq. 6, no
-reference); --rpo_alpha adds RPO's chosen NLL. docs/variants_dpo.md: the library each one matches.
-π_ref's log-probs are computed once before step 0 (again on --resume) by the starting policy or
---ref_model, sharded as the policy is: no reference model stays in memory, and the first loss is
-ln 2. Eval, from step 0: the loss and reward accuracy on pref_test, greedy accuracy on prompt_test.
+Rafailov et al. 2023, eq. 7: the loss of a pair is -log σ(βh), where
+    h = [log π(y_w) - log π_ref(y_w)] - [log π(y_l) - log π_ref(y_l)]
+and log π(y) sums a response's token log-probs, up to and including its stop token.
 
-    python dpo.py                                    # from runs/sft/latest (python sft.py)
-    python dpo.py --loss_type ipo --rpo_alpha 1.0    # IPO (length-averaged) plus RPO's NLL
-    torchrun --nproc_per_node=2 dpo.py               # FSDP2 over 2 ranks: the same run
-    python dpo.py --resume --out_dir runs/dpo/<run>  # continue a run from its last checkpoint
+--loss_type picks the loss (docs/variants_dpo.md: the library each one matches):
+    sigmoid   DPO eq. 7; cDPO with --label_smoothing
+    hinge     SLiC-HF
+    ipo       IPO eq. 17 on length-averaged log-probs (ipo_sum: on summed ones)
+    dpo_norm  DPO on length-averaged log-probs (Tulu 3)
+    simpo     SimPO eq. 6: no reference
+--rpo_alpha adds RPO's NLL of the chosen response.
+
+π_ref's log-probs are computed once before step 0 (again on --resume) by the
+starting policy or --ref_model, sharded as the policy is: no reference model stays
+in memory, and the first loss is ln 2. Eval, from step 0: the loss and reward
+accuracy on pref_test, greedy accuracy on prompt_test.
+
+    python dpo.py                                  # from runs/sft/latest (python sft.py)
+    python dpo.py --loss_type ipo --rpo_alpha 1.0  # IPO plus RPO's NLL
+    torchrun --nproc_per_node=2 dpo.py             # FSDP2 over 2 ranks: the same run
+    python dpo.py --resume --out_dir runs/dpo/RUN  # continue from the last checkpoint
 
 A run writes runs/dpo/<time>-s<seed>/; runs/dpo/latest links the last finished one.
 """
@@ -21,6 +29,7 @@ A run writes runs/dpo/<time>-s<seed>/; runs/dpo/latest links the last finished o
 import atexit
 import datetime
 import fcntl
+import functools
 import glob
 import json
 import math
@@ -30,6 +39,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,87 +51,90 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import data
 import gpt2
 
+# the choices of --loss_type and --rpo_normalization (docs/variants_dpo.md)
+LossType = Literal["sigmoid", "hinge", "ipo", "ipo_sum", "dpo_norm", "simpo"]
+RpoNormalization = Literal["sequence", "token"]
+
 
 @dataclass
 class Args:
-    model: str = "runs/sft/latest"  # policy to start from: an SFT run dir, a preset or `tiny`
+    model: str = "runs/sft/latest"  # policy to start from: SFT run dir, preset or `tiny`
     ref_model: str = ""  # the reference policy π_ref (empty: --model)
-    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
+    data: str = "arithmetic"  # `arithmetic` (built in) or a dir made by data.prep
     out_dir: str = ""  # run directory; default a fresh runs/dpo/<time>-s<seed>
     overwrite: bool = False  # delete the run already in --out_dir and start afresh
-    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
+    resume: bool = False  # continue the run in --out_dir from its last checkpoint
     seed: int = 1  # seed of the data order (the same on every rank)
-    lr: float = 5e-5  # peak learning rate (5e-5 suits the tiny model, ~1e-6 pretrained GPT-2)
+    lr: float = 5e-5  # peak learning rate (5e-5: the tiny model; ~1e-6: GPT-2)
     warmup_steps: int = 20  # linear warmup steps, then cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1  # the final learning rate as a fraction of lr
-    weight_decay: float = 0.0  # AdamW weight decay on matrices (not on biases and LayerNorms)
+    weight_decay: float = 0.0  # AdamW weight decay on matrices (not biases, LayerNorms)
     max_grad_norm: float = 1.0  # gradient clipping threshold on the global gradient norm
     total_steps: int = 300  # optimizer steps
     batch_size: int = 64  # preference pairs per optimizer step, over all ranks
     micro_batch_size: int = 32  # pairs per forward pass on one rank (2x sequences)
     max_train_pairs: int = 0  # train on the first N pairs of pref_train only (0: all)
-    loss_type: str = "sigmoid"  # sigmoid (DPO), hinge, ipo, ipo_sum, dpo_norm or simpo
-    beta: float | None = None  # β, the implicit reward's scale (simpo 2, dpo_norm 5, others 0.1)
-    label_smoothing: float = 0.0  # ε of conservative DPO: the assumed share of flipped labels
+    loss_type: LossType = "sigmoid"  # the pair loss: DPO's sigmoid or a variant
+    beta: float | None = None  # β, the reward scale (simpo 2, dpo_norm 5, else 0.1)
+    label_smoothing: float = 0.0  # ε of conservative DPO: the share of flipped labels
     simpo_gamma: float = 0.5  # γ, SimPO's target reward margin (TRL's simpo_gamma)
     reference_free: bool = False  # log π_ref = 0: no reference pass
     rpo_alpha: float = 0.0  # weight of the chosen response's NLL in the loss (RPO)
-    rpo_normalization: str = "sequence"  # RPO's NLL per `sequence` (paper) or `token` (TRL)
+    rpo_normalization: RpoNormalization = "sequence"  # NLL per sequence (paper) or token (TRL)
     response_length: int = 16  # max new tokens when generating for eval accuracy
     eval_every: int = 100  # steps between evals and checkpoints
     eval_size: int = 500  # held-out pairs and prompts for eval (0: no eval)
     log_every: int = 10  # steps between status lines and metrics rows
-    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (at least 1)
-    dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
+    keep_checkpoints: int = 2  # checkpoints kept in out_dir/checkpoints (at least 1)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA only
     compile: bool = False  # torch.compile the model
-    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
+    activation_checkpointing: bool = False  # less memory: recompute block activations
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
 # ----------------------------------------------------------------------------------------------
-# DPO: the pair losses of h = pi_logratios - ref_logratios, and the log-probs they take
-
-
-def sigmoid(pi_logratios, ref_logratios, args):
-    """DPO eq. 7, -log σ(βh); cDPO assumes a share ε of the labels flipped."""
-    z, eps = args.beta * (pi_logratios - ref_logratios), args.label_smoothing
-    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-
-
-def hinge(pi_logratios, ref_logratios, args):
-    """SLiC-HF's calibration loss, max(0, 1 - βh): a margin of 1/β."""
-    return torch.relu(1 - args.beta * (pi_logratios - ref_logratios))
-
-
-def ipo(pi_logratios, ref_logratios, args):
-    """IPO eq. 17, (h - 1/(2β))²: h regressed onto a target instead of pushed to infinity."""
-    return (pi_logratios - ref_logratios - 1 / (2 * args.beta)) ** 2
-
-
-def simpo(pi_logratios, ref_logratios, args):
-    """SimPO eq. 6, -log σ(β (log π(y_w) - log π(y_l)) - γ): no reference, a target margin γ."""
-    return sigmoid(pi_logratios - args.simpo_gamma / args.beta, 0.0, args)
-
-
-LOSSES = dict(sigmoid=sigmoid, hinge=hinge, ipo=ipo, ipo_sum=ipo, dpo_norm=sigmoid, simpo=simpo)
-PER_TOKEN = ("ipo", "dpo_norm", "simpo")  # log-probs divided by the response length first
-BETA = {"simpo": 2.0, "dpo_norm": 5.0}  # --beta's default per loss; 0.1 for the others
+# DPO: the pair loss from the log-probs of the chosen and rejected responses
 
 
 def pair_loss(logps, ref_logps, lengths, args):
-    """The --loss_type loss (B,) and the implicit rewards β log π/π_ref (B, 2), from the summed
-    log-probs (B, 2) of the chosen and rejected responses and their lengths (B, 2)."""
-    if args.loss_type in PER_TOKEN:  # length-normalised: policy and reference alike
-        logps, ref_logps = logps / lengths, ref_logps / lengths
-    pi_logratios, ref_logratios = logps[:, 0] - logps[:, 1], ref_logps[:, 0] - ref_logps[:, 1]
+    """The --loss_type loss of each pair (B,) and the implicit rewards β log π/π_ref
+    (B, 2), from the summed log-probs of the chosen and rejected responses (B, 2)
+    and their lengths (B, 2). ref_logps are 0 for --reference_free and simpo."""
+    # ipo, dpo_norm and simpo compare per-token log-probs, of both models
+    if args.loss_type in ("ipo", "dpo_norm", "simpo"):
+        logps = logps / lengths
+        ref_logps = ref_logps / lengths
+    pi_logratios = logps[:, 0] - logps[:, 1]
+    ref_logratios = ref_logps[:, 0] - ref_logps[:, 1]
     rewards = args.beta * (logps - ref_logps)
-    return LOSSES[args.loss_type](pi_logratios, ref_logratios, args), rewards
+    eps = args.label_smoothing
+
+    if args.loss_type in ("sigmoid", "dpo_norm"):
+        # DPO eq. 7: -log σ(βh). cDPO (Mitchell 2023): a share ε of the labels
+        # is assumed flipped. dpo_norm (Tulu 3): the same on per-token log-probs
+        logits = args.beta * (pi_logratios - ref_logratios)
+        loss = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    elif args.loss_type == "simpo":
+        # SimPO eq. 6 (Meng et al. 2024): no reference, a target reward margin γ
+        logits = args.beta * (pi_logratios - args.simpo_gamma / args.beta)
+        loss = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    elif args.loss_type == "hinge":
+        # SLiC-HF (Zhao et al. 2023): max(0, 1 - βh), no loss past a margin 1/β
+        loss = torch.relu(1 - args.beta * (pi_logratios - ref_logratios))
+    elif args.loss_type in ("ipo", "ipo_sum"):
+        # IPO eq. 17 (Azar et al. 2023): h regressed onto 1/(2β), not pushed to infinity
+        loss = (pi_logratios - ref_logratios - 1 / (2 * args.beta)) ** 2
+    return loss, rewards
 
 
 def rpo_nll(logps_chosen, len_chosen, normalization, tokens_per_pair):
-    """RPO's NLL per pair (B,), averaged over the global batch like the loss: `sequence` divides
-    by each length; `token` by the global batch's mean chosen length (TRL's cross-entropy)."""
-    return -logps_chosen / (len_chosen if normalization == "sequence" else tokens_per_pair)
+    """RPO's NLL of the chosen response of each pair (B,) (Pang et al. 2024),
+    to be averaged over the global batch like the loss."""
+    # the paper: each response's NLL per token
+    if normalization == "sequence":
+        return -logps_chosen / len_chosen
+    # TRL's cross-entropy: divided by the global batch's mean chosen length
+    return -logps_chosen / tokens_per_pair
 
 
 def lr_at(step, args):
@@ -136,15 +149,58 @@ def lr_at(step, args):
 
 
 def check_args(args):
-    """Flag errors, before any work; --beta's default for the loss."""
+    """Every flag's range, before any work: a bad flag stops the run with one
+    line that names it and the fix. Also sets --beta's default for the loss."""
     if args.model == "runs/sft/latest" and not os.path.isdir(args.model):
-        raise RunError("no SFT model at runs/sft/latest: run `python sft.py` or pass --model DIR")
-    if args.loss_type not in LOSSES or args.rpo_normalization not in ("sequence", "token"):
-        raise RunError(f"--loss_type is {', '.join(LOSSES)}; --rpo_normalization sequence or token")
-    args.beta = BETA.get(args.loss_type, 0.1) if args.beta is None else args.beta
-    no_sigmoid = args.label_smoothing and LOSSES[args.loss_type] not in (sigmoid, simpo)
-    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or no_sigmoid:
-        raise RunError("--beta > 0; --label_smoothing in [0, 0.5), for sigmoid, dpo_norm, simpo")
+        raise RunError("no SFT model at runs/sft/latest: run `python sft.py` or pass --model")
+    if args.beta is None:
+        # each paper's β: SimPO's 2, Tulu 3's 5 for dpo_norm, DPO's 0.1
+        args.beta = {"simpo": 2.0, "dpo_norm": 5.0}.get(args.loss_type, 0.1)
+    if not (math.isfinite(args.beta) and args.beta > 0):
+        raise RunError(f"--beta {args.beta}: must be above 0; drop it for the loss's default")
+
+    # rates and scales: finite (nan is neither above nor below 0) and above 0
+    for flag in ("lr", "max_grad_norm"):
+        value = getattr(args, flag)
+        default = getattr(Args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise RunError(f"--{flag} {value}: must be above 0; try the default {default}")
+    # weights and margins: finite, and 0 turns them off
+    for flag in ("weight_decay", "simpo_gamma", "rpo_alpha"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value >= 0):
+            raise RunError(f"--{flag} {value}: must be 0 or more; 0 turns it off")
+    ratio = args.min_lr_ratio
+    if not 0 <= ratio <= 1:
+        raise RunError(f"--min_lr_ratio {ratio}: a fraction of --lr; pass one in [0, 1]")
+    eps = args.label_smoothing
+    if not 0 <= eps < 0.5:
+        raise RunError(f"--label_smoothing {eps}: the share of flipped labels is in [0, 0.5)")
+    if eps and args.loss_type not in ("sigmoid", "dpo_norm", "simpo"):
+        fix = "use sigmoid, dpo_norm or simpo"
+        raise RunError(f"--label_smoothing: no smoothing in {args.loss_type}; {fix}")
+
+    # sizes and intervals: at least 1
+    for flag in ("total_steps", "batch_size", "micro_batch_size", "response_length"):
+        value = getattr(args, flag)
+        default = getattr(Args, flag)
+        if value < 1:
+            raise RunError(f"--{flag} {value}: must be at least 1; try the default {default}")
+    if args.eval_every < 1:
+        raise RunError(f"--eval_every {args.eval_every}: at least 1; no eval is --eval_size 0")
+    if args.log_every < 1:
+        raise RunError(f"--log_every {args.log_every}: at least 1; pass 1 to log every step")
+    if args.keep_checkpoints < 1:
+        n = args.keep_checkpoints
+        raise RunError(f"--keep_checkpoints {n}: --resume needs one; pass 1 or more")
+    if args.seed < 0:
+        raise RunError(f"--seed {args.seed}: numpy takes no negative seed; pass 0 or more")
+    # counts that may be 0
+    for flag in ("warmup_steps", "max_train_pairs", "eval_size"):
+        value = getattr(args, flag)
+        default = getattr(Args, flag)
+        if value < 0:
+            raise RunError(f"--{flag} {value}: must be 0 or more; try the default {default}")
 
 
 def all_reduce(x):
@@ -152,6 +208,13 @@ def all_reduce(x):
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_dict(sums):
+    """{name: scalar tensor} summed over ranks in one collective -> {name: float}."""
+    names = list(sums)
+    total = all_reduce(torch.stack([sums[name].float() for name in names]))
+    return dict(zip(names, total.tolist()))
 
 
 def shard(model, device, bf16, frozen=False):
@@ -184,123 +247,197 @@ def main(args: Args):
     local_batch_size = data.exact_div(args.batch_size, world_size, "--batch_size or the ranks")
     micro_batch_size = min(args.micro_batch_size, local_batch_size)
     grad_accum = data.exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
+    # bf16 when asked for; `auto` picks it on CUDA, not on CPU
+    bf16 = args.dtype == "bfloat16"
+    if args.dtype == "auto":
+        bf16 = device.type == "cuda"
+    # with bf16 off, the autocast context is a no-op
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     torch.manual_seed(args.seed)
 
-    # 2. data: the pairs and their response lengths (n, 2), up to and including the stop token
+    # 2. data: the pairs and their response lengths (n, 2), stop token included
     meta = data.load_meta(args.data)
-    train, test = data.load_split(args.data, "pref_train"), data.load_split(args.data, "pref_test")
-    prompts = data.load_split(args.data, "prompt_test") if meta.get("task") else None
-    pad, eos = meta["pad_token_id"], meta["eos_token_id"]
-    n_train = min(args.max_train_pairs or len(train["query"]), len(train["query"]))
+    train = data.load_split(args.data, "pref_train")
+    test = data.load_split(args.data, "pref_test")
+    # the prompts of a task with a verifier, for eval/accuracy
+    prompts = None
+    if meta.get("task"):
+        prompts = data.load_split(args.data, "prompt_test")
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+    n_pairs = len(train["query"])
+    n_train = n_pairs
+    if args.max_train_pairs:
+        n_train = min(args.max_train_pairs, n_pairs)
     n_test = min(args.eval_size, len(test["query"]))
     if n_train < args.batch_size:
-        raise RunError(f"{n_train} pairs < --batch_size {args.batch_size}: raise --max_train_pairs")
+        fix = "raise --max_train_pairs"
+        raise RunError(f"{n_train} pairs < --batch_size {args.batch_size}: {fix}")
     train_lengths = data.response_lengths(train, n_train, eos).to(device)
     test_lengths = data.response_lengths(test, n_test, eos).to(device)
 
-    # 3. the policy and π_ref, then the run directory (a bad --model leaves none), optimizer
-    model = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
+    # 3. the policy and π_ref, then the run dir (none is left by a bad --model)
+    policy_shard = functools.partial(shard, device=device, bf16=bf16)
+    model = gpt2.load(args.model, meta, shard=policy_shard)
     data.check_context(train, model.config.block_size)
     use_ref = not (args.reference_free or args.loss_type == "simpo")
-    ref = model  # the starting policy, or --ref_model: frozen, sharded as the policy is
+    # π_ref is the starting policy, or --ref_model: frozen, sharded as π is
+    ref = model
     if args.ref_model and use_ref:
-        ref = gpt2.load(args.ref_model, meta, shard=lambda m: shard(m, device, bf16, True))
+        ref_shard = functools.partial(shard, device=device, bf16=bf16, frozen=True)
+        ref = gpt2.load(args.ref_model, meta, shard=ref_shard)
     args.out_dir = start_run(args, "dpo")
     model.activation_checkpointing = args.activation_checkpointing
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # not biases and LayerNorms
+
+    # the optimizer: weight decay on the matrices, not on biases and LayerNorms
+    decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay)]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0, fused=True)
-    forward_model = torch.compile(model) if args.compile else model
+    optimizer = torch.optim.AdamW(
+        groups,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0,
+        fused=True,
+    )
+    forward_model = model
+    if args.compile:
+        forward_model = torch.compile(model)
     models = {"policy": (model, optimizer)}
 
-    # 4. π_ref's log-probs of every pair, once, before a resume loads the trained weights
-    ref_train = torch.zeros(n_train, 2, device=device)  # reference-free: log π_ref = 0
+    # 4. π_ref's log-probs of every pair, once, before a resume loads the
+    # trained weights. Reference-free: log π_ref = 0
+    ref_train = torch.zeros(n_train, 2, device=device)
     ref_test = torch.zeros(n_test, 2, device=device)
     if use_ref:
         if MASTER:
             print(f"reference log-probs of {n_train} train and {n_test} eval pairs", flush=True)
         ref_train = data.split_logprobs(ref, train, n_train, micro_batch_size, ctx)
         ref_test = data.split_logprobs(ref, test, n_test, micro_batch_size, ctx)
-    del ref  # a --ref_model is freed
-    start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
+    # frees a --ref_model
+    del ref
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.out_dir, models)["step"]
 
     def evaluate():
-        """Pair loss (no RPO term) and accuracies on pref_test, greedy accuracy on prompt_test."""
+        """Pair loss (no RPO term) and accuracies on pref_test; greedy accuracy on
+        prompt_test."""
         logps = data.split_logprobs(model, test, n_test, micro_batch_size, ctx)
         loss, rewards = pair_loss(logps, ref_test, test_lengths, args)
         out = {
             "eval/loss": loss.mean().item(),
-            # every policy's metric: summed log-probs whatever the loss, ties half (0.5 at step 0)
+            # on summed log-probs whatever the loss; a tie counts half
             "eval/preference_accuracy": data.preference_accuracy(logps, ref_test),
             "eval/rewards_margins": (rewards[:, 0] - rewards[:, 1]).mean().item(),
             "eval/logps_accuracy": (logps[:, 0] > logps[:, 1]).float().mean().item(),
         }
         if prompts is not None:
             out["eval/accuracy"] = data.greedy_accuracy(
-                model, prompts, meta, args.eval_size, micro_batch_size, args.response_length, ctx
+                model,
+                prompts,
+                meta,
+                eval_size=args.eval_size,
+                batch_size=micro_batch_size,
+                response_length=args.response_length,
+                ctx=ctx,
             )
         return out
 
     show = ("train/loss", "eval/preference_accuracy", "eval/accuracy", "perf/tokens_per_sec")
-    if start == 0 and args.eval_size > 0:  # the starting policy: loss ln 2 when π = π_ref
+    # the starting policy: the loss is ln 2 when π = π_ref
+    if start == 0 and args.eval_size > 0:
         log_metrics(args.out_dir, 0, evaluate(), show)
 
-    # 5. training loop: one permutation of the pairs per epoch, keyed by (seed, epoch); rank r takes
-    # its slice of each global batch, so any number of ranks sees the same global batches
+    # 5. training loop: one permutation of the pairs per epoch, keyed by
+    # (seed, epoch). Rank r takes its slice of each global batch, so any
+    # number of ranks sees the same global batches
     t0, tokens = time.time(), 0
     for step in range(start, args.total_steps):
         batch_idx = data.batch_indices(args.seed, step, n_train, args.batch_size)
         local_idx = batch_idx[rank * local_batch_size :][:local_batch_size]
-        # 5a. RPO's token mean is over the global batch's chosen tokens: the same at any rank count
+        # 5a. RPO's token mean is over the global batch's chosen tokens: the
+        # same at any rank count
         mean_chosen = train_lengths[batch_idx, 0].float().mean()
+        lr = lr_at(step, args)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        # 5b. forward and backward over micro-batches; FSDP2 reduces gradients on the last one
-        sums = torch.zeros(7, device=device)
+            group["lr"] = lr
+
+        # 5b. forward and backward over micro-batches; FSDP2 reduces the
+        # gradients on the last one
+        sums = {}
         for micro in range(grad_accum):
             idx = local_idx[micro * micro_batch_size :][:micro_batch_size]
             if dist.is_initialized():
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
-            batch = data.split_tensors(train, idx, device)  # query, chosen, rejected
+            query, chosen, rejected = data.split_tensors(train, idx, device)
+            lengths = train_lengths[idx]
             with ctx:
-                logps = data.response_logprobs(forward_model, *batch)  # (B, 2)
-            loss, rewards = pair_loss(logps, ref_train[idx], train_lengths[idx], args)
-            nll = rpo_nll(logps[:, 0], train_lengths[idx, 0], args.rpo_normalization, mean_chosen)
+                logps = data.response_logprobs(forward_model, query, chosen, rejected)
+            loss, rewards = pair_loss(logps, ref_train[idx], lengths, args)
+            nll = rpo_nll(logps[:, 0], lengths[:, 0], args.rpo_normalization, mean_chosen)
             loss_sum = (loss + args.rpo_alpha * nll).sum()
-            # FSDP2 averages gradients over ranks: times world_size makes the global batch's mean
+            # FSDP2 averages gradients over ranks: times world_size makes
+            # the mean over the global batch
             (loss_sum * world_size / args.batch_size).backward()
-            correct = (rewards[:, 0] > rewards[:, 1]).sum()
-            sums += torch.stack([loss_sum, nll.sum(), *rewards.sum(0), correct, *logps.sum(0)])
-            tokens += train_lengths[idx].sum() + 2 * int((train["query"][idx] != pad).sum())
-        # 5c. clip (the returned norm is the global one, before clipping) and step
+
+            # the metrics, summed by name over this rank's pairs
+            with torch.no_grad():
+                # a tie, as at step 0, counts as wrong
+                correct = rewards[:, 0] > rewards[:, 1]
+                reward_sums = rewards.sum(0)
+                logp_sums = logps.sum(0)
+                micro_sums = {
+                    "train/loss": loss_sum,
+                    "train/nll": nll.sum(),
+                    "rewards/chosen": reward_sums[0],
+                    "rewards/rejected": reward_sums[1],
+                    "rewards/accuracies": correct.sum(),
+                    "logps/chosen": logp_sums[0],
+                    "logps/rejected": logp_sums[1],
+                }
+                for name, value in micro_sums.items():
+                    sums[name] = sums.get(name, 0) + value
+            # tokens through the model: both responses, each after its query
+            query_tokens = int((train["query"][idx] != pad).sum())
+            tokens += lengths.sum() + 2 * query_tokens
+
+        # 5c. clip by the global norm (returned as it was before clipping), step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # under FSDP2 the norm is a DTensor: the global norm is its full tensor
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         done = step + 1
-        sums = all_reduce(sums.detach()) / args.batch_size  # the global batch's means
-        loss, nll, r_chosen, r_rejected, correct, logps_chosen, logps_rejected = sums.tolist()
-        if not math.isfinite(loss) or not torch.isfinite(grad_norm):
-            raise RunError(f"non-finite loss or grad norm at step {done}: lower --lr (or --resume)")
+        # the global batch's means, over all ranks in one collective
+        totals = all_reduce_dict(sums)
+        means = {name: total / args.batch_size for name, total in totals.items()}
+        if not math.isfinite(means["train/loss"]) or not torch.isfinite(grad_norm):
+            fix = "lower --lr (or --resume)"
+            raise RunError(f"non-finite loss or grad norm at step {done}: {fix}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
         # 5d. log, evaluate, checkpoint
         eval_now = done % args.eval_every == 0 or done == args.total_steps
-        if done % args.log_every == 0 or step == start or eval_now:
+        log_now = done % args.log_every == 0 or step == start or eval_now
+        if log_now:
+            seconds = time.time() - t0
+            tokens_per_sec = all_reduce(tokens.float()).item() / seconds
             metrics = {
-                "train/loss": loss,
-                "rewards/chosen": r_chosen,
-                "rewards/rejected": r_rejected,
-                "rewards/margins": r_chosen - r_rejected,
-                "rewards/accuracies": correct,
-                "logps/chosen": logps_chosen,
-                "logps/rejected": logps_rejected,
+                "train/loss": means["train/loss"],
+                "rewards/chosen": means["rewards/chosen"],
+                "rewards/rejected": means["rewards/rejected"],
+                "rewards/margins": means["rewards/chosen"] - means["rewards/rejected"],
+                "rewards/accuracies": means["rewards/accuracies"],
+                "logps/chosen": means["logps/chosen"],
+                "logps/rejected": means["logps/rejected"],
                 "train/grad_norm": grad_norm.item(),
-                "train/lr": lr_at(step, args),
-                "perf/tokens_per_sec": all_reduce(tokens.float()).item() / (time.time() - t0),
-            } | ({"train/nll": nll} if args.rpo_alpha else {})
+                "train/lr": lr,
+                "perf/tokens_per_sec": tokens_per_sec,
+            }
+            # RPO's NLL, only when it is part of the loss
+            if args.rpo_alpha:
+                metrics["train/nll"] = means["train/nll"]
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
             log_metrics(args.out_dir, done, metrics, show)

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,7 @@ def test_pad_other_than_eos_gives_the_same_logprobs_and_losses():
             logps = data.response_logprobs(model, *data.split_tensors(split, [0, 1, 2], "cpu"))
         lengths = data.response_lengths(split, 3, EOS)
         assert lengths.tolist() == [[2, 3], [3, 2], [4, 5]]
-        args = [dpo.Args(loss_type=t, beta=0.5) for t in dpo.LOSSES]
+        args = [dpo.Args(loss_type=t, beta=0.5) for t in typing.get_args(dpo.LossType)]
         losses = [
             dpo.pair_loss(logps, logps + torch.tensor([0.3, -0.2]), lengths, a)[0] for a in args
         ]
@@ -315,8 +316,7 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path, small):
 
 @pytest.mark.parametrize(
     "flags, expected",
-    [(["--loss_type", "kto"], "loss_type"), (["--rpo_normalization", "mean"], "rpo_normalization")]
-    + [(["--label_smoothing", "0.1", "--loss_type", "ipo"], "label_smoothing")]
+    [(["--label_smoothing", "0.1", "--loss_type", "ipo"], "label_smoothing")]
     + [
         (["--batch_size", "10"], "micro_batch_size"),
         (["--max_train_pairs", "8"], "--max_train_pairs"),
@@ -328,6 +328,35 @@ def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
     assert p.returncode == 1 and expected in p.stderr, p.stderr[-2000:]
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
     assert not (tmp_path / "x").exists()  # no run dir to --overwrite later
+
+
+# A numeric flag out of its range: check_args stops the run before any work.
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--lr", "-1"), ("--batch_size", "0"), ("--beta", "nan"), ("--max_grad_norm", "inf")]
+    + [("--micro_batch_size", "0"), ("--label_smoothing", "0.5"), ("--rpo_alpha", "nan")]
+    + [("--min_lr_ratio", "2"), ("--eval_every", "0"), ("--keep_checkpoints", "0")]
+    + [("--seed", "-1"), ("--warmup_steps", "-1"), ("--simpo_gamma", "-inf")],
+)
+def test_out_of_range_flags_give_one_line_errors(tmp_path, flag, value):
+    p = run(["--out_dir", str(tmp_path / "x"), *SMALL, flag, value], check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
+    assert p.stderr.startswith(f"error: {flag} "), p.stderr
+    assert not (tmp_path / "x").exists()
+
+
+# A choice flag outside its Literal: tyro's parser stops with the choices listed.
+@pytest.mark.parametrize(
+    "flag, value, choice",
+    [("--loss_type", "kto", "sigmoid"), ("--rpo_normalization", "mean", "token")]
+    + [("--dtype", "float16", "bfloat16")],
+)
+def test_bad_choices_list_the_choices(tmp_path, flag, value, choice):
+    p = run(["--out_dir", str(tmp_path / "x"), *SMALL, flag, value], check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert f"invalid choice '{value}'" in p.stderr and choice in p.stderr, p.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_missing_default_sft_model_names_the_command(tmp_path):
