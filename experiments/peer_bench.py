@@ -1,28 +1,29 @@
 """Peer benchmark: this project's training scripts against the TRL trainers users would
 otherwise pick, at equal work (CPU).
 
-Compared, each on the tiny model (0.8M) and on the GPT-2 124M shape (vocab 257, smaller batches):
+Compared, each on the tiny model (0.8M) and on the GPT-2 124M shape (vocab 257, smaller
+batches):
 
   sft   sft.py vs trl.SFTTrainer, in tokens/s
   dpo   dpo.py vs trl.DPOTrainer, its default (a reference forward every step) and
-        precompute_ref_log_probs=True (dpo.py scores the reference once before step 0), pairs/s
-  grpo  grpo.py vs trl.GRPOTrainer at beta 0 and 0.03, the task's verifier as the reward on both
-        sides, in episodes/s
+        precompute_ref_log_probs=True (dpo.py scores the reference once before step 0),
+        in pairs/s
+  grpo  grpo.py vs trl.GRPOTrainer at beta 0 and 0.03, the task's verifier as the reward
+        on both sides, in episodes/s
 
-PPO is not compared: TRL 1.16 has no PPO trainer. Equal work: the same weights (a random init
-saved by gpt2.save, loaded by transformers.GPT2LMHeadModel; the logits are checked equal), the
-same rows of the offline arithmetic task, batch sizes, response lengths, optimizer steps, fp32,
-no gradient checkpointing, a log row every step. The differences that remain are printed with
-each section (and listed in docs/benchmarks.md). Each run is its own process; a step is timed
-from one optimizer step's end to the next (ours: a global optimizer-step hook; TRL: a
-TrainerCallback's on_step_end), the first --warmup steps, start-up and evaluation excluded. Ours
-and TRL's runs alternate (ABBA over turns); each turn gives a ratio ours / TRL of throughputs,
-summarised as the median and range over turns, with each process's peak RSS. A last table gives
-the limit: the GEMMs each step cannot avoid, timed alone at their shapes with the faster of
-torch's two CPU GEMM libraries (`matmul_floor`), as a share of each side's step time.
+PPO is not compared: TRL 1.16 has no PPO trainer. Equal work: the same weights (a random
+init saved by gpt2.save, loaded by transformers.GPT2LMHeadModel; the logits are checked
+equal), the same rows of the offline arithmetic task, batch sizes, response lengths,
+optimizer steps, fp32, no gradient checkpointing, a log row every step. The differences
+that remain are printed with each section (and listed in docs/benchmarks.md). Each run
+is its own process; a step is timed from one optimizer step's end to the next (ours: a
+global optimizer-step hook; TRL: a TrainerCallback's on_step_end), the first --warmup
+steps, start-up and evaluation excluded. Ours and TRL's runs alternate (ABBA over
+turns); each turn gives a ratio ours / TRL of throughputs, summarised as the median and
+range over turns, with each process's peak RSS.
 
-Needs its own venv (TRL and what it needs on top of the runtime packages); our scripts run in it
-too, so both sides use the same torch:
+Needs its own venv (TRL and what it needs on top of the runtime packages); our scripts
+run in it too, so both sides use the same torch:
 
     python3 -m venv /work/peer-venv
     /work/peer-venv/bin/pip install -r experiments/requirements-peer.txt
@@ -62,8 +63,6 @@ GRPO_BETAS = (0.0, 0.03)
 EVAL_ROWS = 16
 # --eval_every: no evaluation inside the timed steps
 NEVER = 10**9
-# the arithmetic task's prompts (" 7+48="), the prefill of a GRPO rollout
-PROMPT_TOKENS = 6
 SAME = "the --dtype (fp32 by default), fused AdamW, no gradient checkpointing, grad-norm clip 1.0"
 SAME += ", a log row every step, micro-batch = batch (no accumulation), learning rate 1e-5"
 DIFFERENT = "learning-rate schedules and Adam betas (no effect on speed); peak RSS is the whole"
@@ -85,20 +84,22 @@ class Args:
     compare_gemm: bool = False  # also run ours with GPT2_CPU_GEMM=mkl in the same turns
 
 
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
 # Children: one training run each, started as `python peer_bench.py --child SPEC.json`
 
 
 def write_result(spec, ends, lengths):
-    """The step-end times and the mean tokens per sampled response (None: nothing sampled)."""
+    """The step-end times and the mean tokens per sampled response (None: nothing
+    sampled)."""
     length = statistics.mean(lengths) if lengths else None
     with open(spec["result"], "w") as f:
         json.dump(dict(ends=ends, response_length=length), f)
 
 
 def child_ours(spec):
-    """One of our scripts in this process, a global optimizer-step hook timing its steps; exit
-    right after the last one, before its logging, as TRL's on_step_end (no eval, no save)."""
+    """One of our scripts in this process, a global optimizer-step hook timing its
+    steps; exit right after the last one, before its logging, as TRL's on_step_end (no
+    eval, no save)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     ends = []
@@ -127,9 +128,9 @@ def child_ours(spec):
 
 
 def byte_tokenizer():
-    """The task's `bytes` tokenizer as a transformers tokenizer: byte b is id b, <|endoftext|> is
-    256 (stop and pad). A BPE without merges over GPT-2's byte-to-unicode alphabet: each byte is
-    one token, offline, no files."""
+    """The task's `bytes` tokenizer as a transformers tokenizer: byte b is id b,
+    <|endoftext|> is 256 (stop and pad). A BPE without merges over GPT-2's
+    byte-to-unicode alphabet: each byte is one token, offline, no files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -147,8 +148,9 @@ def byte_tokenizer():
 
 
 def text_rows(split, meta, columns):
-    """A split's arrays as the text columns TRL takes: prompt, completion, chosen, rejected,
-    ground_truth (the stop token left out: TRL appends it, as our data has it)."""
+    """A split's arrays as the text columns TRL takes: prompt, completion, chosen,
+    rejected, ground_truth (the stop token left out: TRL appends it, as our data has
+    it)."""
     import data
 
     enc = data.get_encoding(meta["tokenizer"])
@@ -190,25 +192,12 @@ def child_trl(spec):
                 sys.stderr.flush()
                 os._exit(0)
 
-    common = dict(
-        output_dir=spec["out_dir"],
-        max_steps=spec["steps"],
-        per_device_train_batch_size=spec["batch"],
-        gradient_accumulation_steps=1,
-        learning_rate=LR,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-        bf16=spec["dtype"] == "bfloat16",
-        use_cpu=True,
-        seed=1,
-        dataloader_num_workers=0,
-    )
+    common = dict(output_dir=spec["out_dir"], max_steps=spec["steps"], seed=1, use_cpu=True)
+    common |= dict(per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1)
+    common |= dict(learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1)
+    common |= dict(save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True)
+    common |= dict(gradient_checkpointing=False, bf16=spec["dtype"] == "bfloat16")
+    common["dataloader_num_workers"] = 0
     hooks = dict(processing_class=byte_tokenizer(), callbacks=[StepTimer()])
     if spec["kind"] == "sft":
         rows = text_rows(split, meta, ("prompt", "completion"))
@@ -217,13 +206,9 @@ def child_trl(spec):
         trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=train, **hooks)
     elif spec["kind"] == "dpo":
         rows = text_rows(split, meta, ("prompt", "chosen", "rejected"))
-        cfg = trl.DPOConfig(
-            **common,
-            beta=0.1,
-            loss_type=["sigmoid"],
-            max_length=None,
-            precompute_ref_log_probs=spec["precompute"],
-        )
+        dpo = dict(beta=0.1, loss_type=["sigmoid"], max_length=None)
+        dpo["precompute_ref_log_probs"] = spec["precompute"]
+        cfg = trl.DPOConfig(**common, **dpo)
         train = datasets.Dataset.from_dict(rows)
         trainer = trl.DPOTrainer(model=model, args=cfg, train_dataset=train, **hooks)
     else:
@@ -233,20 +218,10 @@ def child_trl(spec):
         def verifier(completions, ground_truth, **kwargs):
             return [data.verify(meta["task"], c, g) for c, g in zip(completions, ground_truth)]
 
-        cfg = trl.GRPOConfig(
-            **common,
-            num_generations=spec["samples"],
-            max_completion_length=spec["response_length"],
-            steps_per_generation=1,
-            num_iterations=1,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            beta=spec["beta"],
-            epsilon=0.2,
-            loss_type="dapo",
-            scale_rewards="group",
-        )
+        grpo = dict(num_generations=spec["samples"], max_completion_length=spec["response_length"])
+        grpo |= dict(steps_per_generation=1, num_iterations=1, temperature=1.0, top_k=0, top_p=1.0)
+        grpo |= dict(beta=spec["beta"], epsilon=0.2, loss_type="dapo", scale_rewards="group")
+        cfg = trl.GRPOConfig(**common, **grpo)
         train = datasets.Dataset.from_dict(rows)
         trainer = trl.GRPOTrainer(
             model=model, reward_funcs=[verifier], args=cfg, train_dataset=train, **hooks
@@ -255,13 +230,14 @@ def child_trl(spec):
     sys.exit(f"TRL {spec['kind']} ran {len(ends)} optimizer steps, fewer than {spec['steps']}")
 
 
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
 # Setup in the parent: models, datasets, the runs of each comparison
 
 
 def build_model(preset, vocab_size, eos_token_id, out_dir):
-    """A random init (seed 0) of gpt2.py's preset saved in the HF layout; returns the max |logit
-    difference| of gpt2.GPT and transformers.GPT2LMHeadModel loaded from that file."""
+    """A random init (seed 0) of gpt2.py's preset saved in the HF layout; returns the
+    max |logit difference| of gpt2.GPT and transformers.GPT2LMHeadModel loaded from that
+    file."""
     import torch
     import transformers
 
@@ -280,9 +256,9 @@ def build_model(preset, vocab_size, eos_token_id, out_dir):
 
 
 def build_data(out_dir, split, rows):
-    """The first `rows` rows of one train split of the arithmetic task and EVAL_ROWS of every
-    other split, as a dataset dir our scripts read with --data; returns the mean tokens per SFT
-    row (prompt + response + stop token)."""
+    """The first `rows` rows of one train split of the arithmetic task and EVAL_ROWS of
+    every other split, as a dataset dir our scripts read with --data; returns the mean
+    tokens per SFT row (prompt + response + stop token)."""
     import contextlib
 
     import numpy as np
@@ -310,22 +286,13 @@ def flags(**kw):
     return [arg for k, v in kw.items() for arg in (f"--{k}", str(v))]
 
 
-PADDING = (
-    "padding: ours pads prompts left and responses right, trimmed per batch to the longest prompt"
-    " + the longest response; TRL right-pads prompt + completion to the longest row, so ours may"
-    " run a few more pad columns"
-)
-ORDER = "data order: both sides train on the same rows, each in its own shuffled order"
+# the differences left, printed with each section (docs/benchmarks.md has them in full)
+PADDING = "padding: ours pads prompts left, responses right; TRL right-pads whole rows"
+ORDER = "data order: the same rows, in each side's own shuffled order"
 GRPO_NOTES = [
-    "generation: gpt2.generate (preallocated KV cache) vs HF generate (DynamicCache); both sample"
-    " up to {R} tokens at temperature 1, no top-k/top-p, and stop early only once every row has"
-    " stopped (each run's sampled tokens per response are printed)",
-    "the passes per step are each side's own: TRL (num_iterations 1, no vLLM) takes the sampling"
-    " policy's log-probs from the training forward and loads no reference model at beta 0",
-    "loss options (clip range, KL estimator, token-mean aggregation) are grpo.py's defaults and"
-    " TRL's loss_type dapo, epsilon 0.2, k3: they change no pass or matmul",
-    "a random-init policy earns reward 0 everywhere, so every advantage is 0; both sides still"
-    " run the loss and the backward",
+    "generation: gpt2.generate vs HF generate, up to {R} tokens at temperature 1",
+    "TRL takes the sampler's log-probs from the training forward, no reference at beta 0",
+    "a random init earns reward 0: advantages 0, loss and backward still run",
     ORDER,
 ]
 
@@ -336,7 +303,8 @@ def comparison(label, unit, units, ours, trl, note=""):
 
 def comparisons(section, p, steps, tokens_per_row, common):
     """The differences left between a section's two sides (printed with it), and its
-    comparisons: label, unit, units per step, our run's spec, TRL's, and its own note."""
+    comparisons: label, unit, units per step, our run's spec, TRL's, and its own
+    note."""
     if section == "sft":
         b = p["sft_batch"]
         argv = common + flags(total_steps=steps, batch_size=b, micro_batch_size=b)
@@ -350,10 +318,7 @@ def comparisons(section, p, steps, tokens_per_row, common):
         argv = common + flags(total_steps=steps, batch_size=b, micro_batch_size=b)
         argv += flags(beta=0.1, loss_type="sigmoid")
         ours = dict(side="ours", tag="dpo-ours", script="dpo.py", steps=steps, argv=argv)
-        once = "dpo.py scores the reference log-probs of every training pair once before step 0"
-        once += (
-            " (start-up, not timed); the one dpo.py run of a turn is compared with both TRL modes"
-        )
+        once = "dpo.py scores the reference once before step 0 (not timed), for both TRL modes"
         modes = {
             "default": "TRL runs a reference forward every step and keeps a second model",
             "precompute_ref_log_probs": "TRL scores the reference in its __init__ (not timed)",
@@ -378,12 +343,13 @@ def comparisons(section, p, steps, tokens_per_row, common):
     return [note.format(R=R) for note in GRPO_NOTES], comps
 
 
-# ----------------------------------------------------------------------------------------------
-# Running, and the GEMM floor
+# ---------------------------------------------------------------------------------------
+# Running and summarising
 
 
 def run_child(spec, tmp, env, timeout):
-    """One run as a subprocess: its step-end times, peak RSS (MB, from wait4) and wall time."""
+    """One run as a subprocess: its step-end times, peak RSS (MB, from wait4) and wall
+    time."""
     name = f"{spec['tag']}-{spec['turn']}"
     spec = dict(spec, result=os.path.join(tmp, f"{name}.json"))
     spec["out_dir"] = os.path.join(tmp, "runs", name)
@@ -419,85 +385,7 @@ def run_child(spec, tmp, env, timeout):
     return dict(result, rss_mb=usage.ru_maxrss / 1024, wall_s=wall)
 
 
-def step_passes(section, p, tokens_per_row, side, beta=0.0, ref=False):
-    """The model passes one optimizer step cannot avoid, as [(kind, tokens)], kind "fwd" or
-    "fwdbwd": the training forward + backward over every row's tokens but its last, a prompt
-    that several rows share (a DPO pair's, a GRPO group's) counted once; a reference forward
-    where the side runs one (TRL's DPO default; GRPO at beta > 0); GRPO's generation (a prefill
-    of the distinct prompts, then one token per row per sampled token)."""
-    if section == "sft":
-        return [("fwdbwd", p["sft_batch"] * (tokens_per_row - 1))]
-    if section == "dpo":
-        # chosen and rejected rows in one pass, their prompt once
-        B = p["dpo_batch"]
-        tokens = B * (PROMPT_TOKENS - 1) + 2 * B * (tokens_per_row - PROMPT_TOKENS)
-        passes = [("fwdbwd", tokens)]
-        if side == "trl" and ref:
-            passes.append(("fwd", tokens))
-        return passes
-    P = p["grpo_prompts"]
-    n = P * p["grpo_samples"]
-    R = p["response_length"]
-    passes = [("fwd", P * (PROMPT_TOKENS - 1) + n)] + [("fwd", n)] * (R - 1)
-    train = P * (PROMPT_TOKENS - 1) + n * R
-    passes.append(("fwdbwd", train))
-    if beta > 0:
-        passes.append(("fwd", train))
-    return passes
-
-
-# (preset, vocab) -> one weight per linear layer; (preset, vocab, kind, rows) -> seconds
-FLOOR_CACHE = {}
-
-
-def matmul_floor(preset, vocab_size, passes, repeats=7):
-    """Seconds the GEMMs of `passes` take on this machine: per pass, every linear layer's GEMM
-    (rows x in) @ (in x out) in model order, each layer with its own weight (from memory, not a
-    cache warmed by one repeated GEMM); 1 GEMM per layer for a forward, 3 for forward + backward.
-    Each pass is timed with MKL (torch's default) and oneDNN (gpt2.py's choice on AMD CPUs); the
-    faster counts, the fastest of `repeats` (a floor: a slow repeat is the neighbours' load),
-    summed over passes. Attention, norms, the optimizer and overhead are left out."""
-    import torch
-
-    import gpt2
-
-    def onednn(x, w):
-        return torch.ops.mkldnn._linear_pointwise(x, w.t(), None, "none", [], "")
-
-    libraries = [torch.mm]
-    if torch.backends.mkldnn.is_available():
-        libraries.append(onednn)
-    C = gpt2.PRESETS[preset]["n_embd"]
-    if (preset, vocab_size) not in FLOOR_CACHE:
-        shapes = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * gpt2.PRESETS[preset]["n_layer"]
-        shapes.append((C, vocab_size))
-        FLOOR_CACHE[preset, vocab_size] = [torch.randn(k, n) for k, n in shapes]
-    weights = FLOOR_CACHE[preset, vocab_size]
-    total = 0.0
-    for kind, rows in passes:
-        key = (preset, vocab_size, kind, max(1, round(rows)))
-        if key not in FLOOR_CACHE:
-            xs = {w.shape[0]: torch.randn(key[3], w.shape[0]) for w in weights}  # (rows, in)
-            gs = {w.shape[1]: torch.randn(key[3], w.shape[1]) for w in weights}  # (rows, out)
-            best = float("inf")
-            for mm in libraries:
-                # the first repeat is a warmup
-                for repeat in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    for w in weights:
-                        x, g = xs[w.shape[0]], gs[w.shape[1]]
-                        mm(x, w)
-                        if kind == "fwdbwd":
-                            mm(g, w.t())
-                            mm(x.t(), g)
-                    if repeat > 0:
-                        best = min(best, time.perf_counter() - t0)
-            FLOOR_CACHE[key] = best
-        total += FLOOR_CACHE[key]
-    return total
-
-
-def run_section(section, preset, model_dir, args, tmp, env, vocab_size):
+def run_section(section, preset, model_dir, args, tmp, env):
     """All turns of one section on one preset; a summary row per comparison."""
     p = PRESETS[preset]
     steps = args.steps or p["steps"][section]
@@ -559,19 +447,12 @@ def run_section(section, preset, model_dir, args, tmp, env, vocab_size):
         row = dict(preset=preset, label=c["label"], unit=c["unit"], notes=notes)
         if c["note"]:
             row["notes"] = notes + [c["note"]]
-        row |= dict(ratios=ratios, ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios))
+        row |= dict(ratios=ratios, ratio=statistics.median(ratios))
+        row |= dict(lo=min(ratios), hi=max(ratios))
         row |= dict(ours=c["units"] / ours_s, trl=c["units"] / trl_s)
         row["rss_ours"] = statistics.median(r["rss_mb"] for r in ours)
         row["rss_trl"] = statistics.median(r["rss_mb"] for r in trl)
         row["runs"] = ours + trl
-        beta = float(c["trl"].get("beta", 0.0))
-        ref = not c["trl"].get("precompute", True)
-        if args.dtype == "float32" and c["trl"]["side"] == "trl":
-            for side, seconds in (("ours", ours_s), ("trl", trl_s)):
-                passes = step_passes(section, p, tokens_per_row, side, beta, ref)
-                floor = matmul_floor(preset, vocab_size, passes)
-                row[f"floor_{side}"] = floor
-                row[f"floor_pct_{side}"] = floor / seconds
         rows.append(row)
         per_turn = " ".join(f"{r:.2f}" for r in ratios)
         summary = f"median {row['ratio']:.2f} (range {row['lo']:.2f}-{row['hi']:.2f})"
@@ -579,7 +460,7 @@ def run_section(section, preset, model_dir, args, tmp, env, vocab_size):
     return rows
 
 
-def print_summary(summary, dtype):
+def print_summary(summary):
     print(
         "\n| shape | comparison | ours | TRL | ours / TRL, median (range) | peak RSS ours / TRL |"
     )
@@ -587,24 +468,11 @@ def print_summary(summary, dtype):
     shapes = {"tiny": "tiny (0.8M)", "gpt2": "GPT-2 124M shape"}
     for r in summary:
         ratio = f"{r['ratio']:.2f} ({r['lo']:.2f}–{r['hi']:.2f})"
-        rss = f"{r['rss_ours']:.0f} / {r['rss_trl']:.0f} MB ({r['rss_ours'] / r['rss_trl']:.2f}×)"
+        rss = f"{r['rss_ours']:.0f} / {r['rss_trl']:.0f} MB"
+        rss += f" ({r['rss_ours'] / r['rss_trl']:.2f}×)"
         cells = [shapes[r["preset"]], f"{r['label']} {r['unit']}", f"{r['ours']:.4g}"]
         cells += [f"{r['trl']:.4g}", ratio, rss]
         print("| " + " | ".join(cells) + " |")
-    # the floor times fp32 GEMMs
-    if dtype != "float32":
-        return
-    print("\nThe limit: the GEMMs a step cannot avoid (see step_passes and matmul_floor) against")
-    print("each side's measured time per step\n")
-    print(
-        "| shape | comparison | matmul floor per step, ours / TRL | share of the step, ours / TRL |"
-    )
-    print("|---|---|---|---|")
-    for r in summary:
-        if "floor_ours" in r:
-            floor = f"{r['floor_ours'] * 1e3:.1f} / {r['floor_trl'] * 1e3:.1f} ms"
-            share = f"{r['floor_pct_ours']:.0%} / {r['floor_pct_trl']:.0%}"
-            print(f"| {shapes[r['preset']]} | {r['label']} | {floor} | {share} |")
 
 
 def main(args: Args):
@@ -658,14 +526,13 @@ def main(args: Args):
             if diff > 1e-3:
                 raise RuntimeError(f"{preset}: gpt2.py and transformers disagree ({diff:.2e})")
             for section in sections:
-                vocab = meta["vocab_size"]
-                summary += run_section(section, preset, model_dir, args, tmp, env, vocab)
+                summary += run_section(section, preset, model_dir, args, tmp, env)
     finally:
         if args.keep:
             print(f"\nkept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    print_summary(summary, args.dtype)
+    print_summary(summary)
     if args.out:
         with open(args.out, "w") as f:
             out = dict(args=vars(args), same=SAME, different=DIFFERENT, summary=summary)
