@@ -8,10 +8,6 @@ Sections (--sections):
              left-padded prompts (temperature 1, top_k 0, no stop token: both sample exactly
              B x new_tokens); and whether greedy fp32 outputs are identical
   optimizer  one AdamW step over a preset's parameters: torch's for-loop, foreach and fused
-  prompts    forward + backward of a step's rows (GRPO's groups, DPO's pairs, 6-token prompts):
-             each row's last token left out of the input (as the scripts) against kept, and
-             (where gpt2.py uses oneDNN) its small GEMMs on oneDNN from ONEDNN_MIN_ROWS rows on
-             against always on MKL
   cuda       GPT-2 124M: sft.py's bf16 training step with the LM head in fp32, TF32 and bf16 ->
              MFU; a GRPO-sized rollout -> tokens/s (CUDA only)
 
@@ -29,7 +25,6 @@ adds overhead: compare its tables, not its times, with a benchmark's.
     python experiments/bench.py  # forward, generate, optimizer, cuda: minutes on 2 cores
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
     python experiments/bench.py --sections optimizer --presets tiny --repeats 3  # seconds
-    python experiments/bench.py --sections prompts --presets tiny,gpt2 --repeats 15
     python experiments/bench.py --profile "sft.py --model DIR --total_steps 30 --out_dir /tmp/p" \\
         --profile_steps 6 14
 """
@@ -54,9 +49,7 @@ sys.path.insert(0, ROOT)
 
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "generate", "optimizer", "prompts", "cuda")
-# the offline arithmetic task's byte tokenizer; other presets keep GPT-2's 50257
-TINY_VOCAB = 257
+SECTIONS = ("forward", "generate", "optimizer", "cuda")
 # the LM head's GEMM: gpt2.py's default, TF32 tensor cores, bf16
 HEADS = ("fp32", "tf32", "bf16")
 
@@ -152,9 +145,9 @@ def parse_shape(text, n, flag):
 # Models and inputs
 
 
-def config(preset, vocab_size=None):
-    """A preset's config; tiny gets the task's byte vocabulary, the others GPT-2's."""
-    vocab_size = vocab_size or (TINY_VOCAB if preset == "tiny" else 50257)
+def config(preset):
+    """A preset's config; tiny gets the offline task's byte vocabulary, the others GPT-2's."""
+    vocab_size = 257 if preset == "tiny" else 50257
     return gpt2.GPTConfig(**gpt2.PRESETS[preset], vocab_size=vocab_size)
 
 
@@ -169,19 +162,12 @@ def model_pair(preset, seed, device):
     cfg = config(preset)
     torch.manual_seed(seed)
     ours = gpt2.GPT(cfg)
-    hf_config = hft.GPT2Config(
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        vocab_size=cfg.vocab_size,
-        n_positions=cfg.block_size,
-        layer_norm_epsilon=cfg.layer_norm_epsilon,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    shape = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+    shape |= dict(vocab_size=cfg.vocab_size, n_positions=cfg.block_size)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    eps = cfg.layer_norm_epsilon
+    no_stop = dict(bos_token_id=None, eos_token_id=None)
+    hf_config = hft.GPT2Config(**shape, **no_dropout, layer_norm_epsilon=eps, **no_stop)
     hf = hft.GPT2LMHeadModel(hf_config)
     # the names are HF's; lm_head is tied to wte in both
     tensors = {k: v for k, v in ours.state_dict().items() if k != "lm_head.weight"}
@@ -335,59 +321,6 @@ def bench_optimizer(args, device, sync):
     return rows
 
 
-def train_rows(model, ids, keep_from, min_rows=gpt2.ONEDNN_MIN_ROWS):
-    """A call: forward + backward of the rows ids (B, T), logits from keep_from on, as the
-    scripts' training forwards, with gpt2.matmul's oneDNN threshold at min_rows."""
-
-    def step():
-        gpt2.ONEDNN_MIN_ROWS = min_rows
-        logits = model(ids, attention_mask=torch.ones_like(ids), keep_from=keep_from)
-        logits.float().log_softmax(-1).mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    return step
-
-
-# per preset and algorithm: prompts, rows per prompt, response tokens
-PROMPT_SHAPES = dict(
-    tiny=dict(dpo=(64, 2, 4), grpo=(16, 8, 16)),
-    gpt2=dict(dpo=(4, 2, 4), grpo=(2, 4, 16)),
-)
-
-
-def bench_prompts(args, device, sync):
-    """Forward + backward of a step's rows, each row's last token left out (as the scripts) or
-    kept; where gpt2.py uses oneDNN, also with every GEMM on MKL."""
-    rows = []
-    default_min_rows = gpt2.ONEDNN_MIN_ROWS
-    # the arithmetic task's prompts
-    Tq = 6
-    for preset in args.presets.split(","):
-        torch.manual_seed(args.seed)
-        # the task's 257-token vocabulary at every preset, as peer_bench.py's
-        model = gpt2.GPT(config(preset, TINY_VOCAB)).to(device).train()
-        for algo, (P, G, Tr) in PROMPT_SHAPES.get(preset, PROMPT_SHAPES["gpt2"]).items():
-            query = torch.randint(0, 256, (P, Tq), device=device).repeat_interleave(G, 0)
-            response = torch.randint(0, 256, (P * G, Tr), device=device)
-            ids = torch.cat([query, response], 1)
-            fns = {
-                "last_out": train_rows(model, ids[:, :-1], Tq - 1),
-                "last_kept": train_rows(model, ids, Tq - 1),
-            }
-            if gpt2.ONEDNN:
-                fns["small_mkl"] = train_rows(model, ids[:, :-1], Tq - 1, min_rows=1 << 62)
-            sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-            row = {"preset": preset, "rows": f"{algo}: {P} x {G} rows, {Tq} + {Tr} tokens"}
-            for name, seconds in sec.items():
-                row[f"{name} ms"] = 1e3 * seconds
-            row |= speedup(times, "last_out", "last_kept", "last token out/kept")
-            if gpt2.ONEDNN:
-                row |= speedup(times, "last_out", "small_mkl", "small GEMMs onednn/mkl")
-            rows.append(show(row))
-    gpt2.ONEDNN_MIN_ROWS = default_min_rows
-    return rows
-
-
 def bench_cuda(args, device, sync):
     """GPT-2 124M: sft.py's bf16 training step (its loss through gpt2.logprobs, autocast, AdamW,
     clipping) with the LM head's GEMM in each of HEADS, turn about -> MFU of each; a rollout ->
@@ -521,8 +454,6 @@ def main(args: Args):
             results[section] = bench_generate(args, device, sync, meta)
         elif section == "optimizer":
             results[section] = bench_optimizer(args, device, sync)
-        elif section == "prompts":
-            results[section] = bench_prompts(args, device, sync)
         elif cuda:
             results[section] = bench_cuda(args, device, sync)
         else:

@@ -7,19 +7,18 @@ Items (`--items` picks some; a failed item is reported and the next one runs):
   attention  GPT-2 124M forward + backward, left-padded, at T = 192, 320, 704: gpt2.py's SDPA
              backends against cuDNN forced, gradients finite and in agreement; then one SDPA call
              built to hit pytorch#196678 (a padded row's logsumexp below -88.7)
-  parity     bf16 on nccl: GRPO's first minibatch is on-policy (val/ratio_var =
-             policy/approxkl_avg = 0) and DPO's first loss is ln 2, with the fp32 LM head (the
-             default) and with GPT2_FP32_HEAD=0
   ranks      1 vs 2 GPUs, every script's final weights: fp32 within 1e-5, bf16 within --bf16_tol
   resume     a checkpoint saved on 1 GPU resumes under torchrun on 2 GPUs and on the CPU
   speed      experiments/bench.py --sections cuda,forward,generate: the sft-like MFU of GPT-2
              124M in bf16 (target >= 45%) and sampling tokens/s against HF generate (>= 3x)
   memory     torch.cuda.max_memory_allocated of each script at --memory_preset, 256-token
              responses, micro-batch 8 (random init, synthetic data)
-  tests      the test suite (pytest -v, over --test_workers with pytest-xdist if installed)
+  tests      the test suite (pytest -v, over --test_workers with pytest-xdist if installed);
+             tests/test_cuda.py's bf16 parity (DPO's first loss ln 2, GRPO's first minibatch
+             on-policy) and its GPU-to-CPU resume are in it
 
     python experiments/gpu_check.py                          # everything, every GPU count
-    python experiments/gpu_check.py --items attention,parity # some items
+    python experiments/gpu_check.py --items attention,ranks  # some items
     python experiments/gpu_check.py --device cpu             # a dry run of every item on CPU
     python experiments/gpu_check.py --jobs 3 --deadline 500  # a 15-minute lease: one call
 
@@ -66,11 +65,11 @@ sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import gpt2  # noqa: E402
 
-ITEMS = ("smoke", "attention", "parity", "ranks", "resume", "speed", "memory", "tests")
+ITEMS = ("smoke", "attention", "ranks", "resume", "speed", "memory", "tests")
 # measured with nothing else on the GPU: first, and alone, under --jobs
 TIMED = ("speed",)
 # each item's rough relative cost: --jobs balances its groups by them
-COST = dict(smoke=240, attention=10, parity=200, ranks=300, resume=250, memory=300, tests=500)
+COST = dict(smoke=240, attention=10, ranks=300, resume=250, memory=300, tests=500)
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
 # dense bf16 peak FLOP/s by device name, the first match wins (for bench.py's MFU)
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
@@ -271,7 +270,8 @@ def weight_diff(out_a, out_b, script, start=None):
     a = load_file(os.path.join(out_a, "model.safetensors"))
     b = load_file(os.path.join(out_b, "model.safetensors"))
     w0 = load_file(os.path.join(start, "model.safetensors")) if start else {}
-    worst, num, den = 0.0, 0.0, 0.0
+    worst = 0.0
+    num, den = 0.0, 0.0
     for k in a:
         if k in NULL.get(script, ()):
             continue
@@ -338,7 +338,8 @@ def lse_case(device, backends, T, dtype):
     gpt2.py) score -100, a logsumexp below -88.7. 'finite' when grad_q is."""
     g = torch.Generator().manual_seed(T)
     # row 1: its first half is padding
-    B, H, hd = 2, 4, 64
+    B, H = 2, 4
+    hd = 64
     pads = T // 2
     q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
     k_sq = k[1, :, :pads].square().sum(-1, keepdim=True)
@@ -382,7 +383,8 @@ def item_attention(ctx):
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     model = gpt2.GPT(cfg).to(ctx.device)
-    ok, body, values = True, [], {}
+    ok = True
+    body, values = [], {}
     for T in (192, 320, 704):
         idx, mask = padded_batch(4, T, cfg.vocab_size - 1, ctx.device, seed=T)
         ours = model_grads(model, idx, mask, gpt2.SDPA_BACKENDS, amp)
@@ -414,50 +416,13 @@ def item_attention(ctx):
     return ok, lines, values
 
 
-def item_parity(ctx):
-    """bf16: GRPO's first minibatch on-policy, DPO's first loss ln 2; plain python (autocast)
-    and torchrun on 2 GPUs (FSDP2's bf16 parameters); with and without the fp32 LM head."""
-    sft = stage_models(ctx)["sft"]
-    flags = {
-        "grpo": "--total_episodes 64 --num_prompts_per_step 8 --num_samples_per_prompt 8 "
-        "--num_minibatches 1 --num_epochs 1 --beta 0.05",
-        "dpo": "--total_steps 1 --batch_size 8 --micro_batch_size 4",
-    }
-    common = ["--model", sft, "--eval_size", 0, "--dtype", "bfloat16"]
-    heads = {"fp32": {}, "GPT2_FP32_HEAD=0": {"GPT2_FP32_HEAD": "0"}}
-    ok, body, values = True, [], {}
-    for nproc in (0, min(2, ctx.gpus)):
-        for head, env in heads.items():
-            for script in ("grpo", "dpo"):
-                name = f"parity/{script}_{nproc}_{'nofp32' if env else 'fp32'}"
-                out = ctx.dir(name)
-                cmd = launch(script, [*flags[script].split(), *common, "--out_dir", out], nproc)
-                run(ctx, name, cmd, env)
-                if script == "grpo":
-                    row = first_row_with(out, "val/ratio_var")
-                    got = {key: row[key] for key in ("val/ratio_var", "policy/approxkl_avg")}
-                    good = all(v == 0 for v in got.values())
-                else:
-                    loss = first_row_with(out, "train/loss")["train/loss"]
-                    got = {"train/loss - ln 2": loss - math.log(2)}
-                    good = abs(got["train/loss - ln 2"]) <= 1e-6
-                # required of the default, the fp32 head
-                ok &= good or bool(env)
-                shown = ", ".join(f"{key} {v:.3g}" for key, v in got.items())
-                launcher = f"torchrun x{nproc}" if nproc else "python"
-                body.append([script, launcher, head, shown, yes(good)])
-                values[name] = got
-    lines = table(["script", "launch", "LM head", "step 1", "exact"], body)
-    lines.append("pass: exact with the fp32 head (the default); GPT2_FP32_HEAD=0 is measured")
-    return ok, lines, values
-
-
 def item_ranks(ctx):
     """Each script's final weights at 1 and 2 GPUs (torchrun both), in fp32 and in bf16."""
     if ctx.gpus < 2:
         return None, ["needs 2 GPUs: skipped"], {}
     start = stage_models(ctx)["sft"]
-    ok, body, values = True, [], {}
+    ok = True
+    body, values = [], {}
     for script in scripts(ctx):
         res = {}
         for dtype in ("float32", "bfloat16"):
@@ -496,7 +461,8 @@ def tensors_in(obj):
 def item_resume(ctx):
     """A 1-GPU fp32 run's step-2 checkpoint, resumed under torchrun on 2 GPUs and on the CPU:
     each must end at the uninterrupted run's weights. The checkpoint holds CPU tensors only."""
-    ok, body, values = True, [], {}
+    ok = True
+    body, values = [], {}
     for script in scripts(ctx):
         flags = [*script_flags(ctx, script, 2), "--dtype", "float32", "--keep_checkpoints", 5]
         first = ctx.dir("resume", f"{script}_1gpu")
@@ -654,7 +620,8 @@ def item_memory(ctx):
     synthetic_data(dataset, length)
     policy, reward = random_models(ctx, preset, 1024 if ctx.cuda else 512)
     key = "cuda_max_allocated" if ctx.cuda else "max_rss"
-    ok, body, values = True, [], {}
+    ok = True
+    body, values = [], {}
     for script in scripts(ctx):
         name = f"memory/{script}_{preset}"
         out = ctx.dir(name)
@@ -750,13 +717,14 @@ def run_item(ctx, item):
     """One item: its report entry (status, seconds, lines, values), printed as it ends."""
     print(f"\n== {item}", flush=True)
     t0 = time.time()
+    passed, values = False, {}
     try:
         passed, lines, values = globals()[f"item_{item}"](ctx)
     except Failed as e:
-        passed, lines, values = False, [f"FAILED: {e}"], {}
+        lines = [f"FAILED: {e}"]
     except Exception:
         # a crash in the check itself: reported, and the next item runs
-        passed, lines, values = False, ["ERROR", *traceback.format_exc().splitlines()[-8:]], {}
+        lines = ["ERROR", *traceback.format_exc().splitlines()[-8:]]
     status = {True: "PASS", False: "FAIL", None: "MEASURED"}[passed]
     if lines[0].endswith("skipped"):
         status = "SKIPPED"
@@ -773,8 +741,9 @@ def run_groups(ctx, items):
     side by side; their report entries, in the order of items."""
     groups = [[] for _ in range(min(ctx.args.jobs, len(items)))]
     # the costliest first, each to the group with the least so far
-    for item in sorted(items, key=lambda i: -COST[i]):
-        min(groups, key=lambda g: sum(COST[i] for i in g)).append(item)
+    for item in sorted(items, key=COST.get, reverse=True):
+        loads = [sum(COST[i] for i in group) for group in groups]
+        groups[loads.index(min(loads))].append(item)
     children = []
     for group in groups:
         name = "_".join(group)
