@@ -7,12 +7,10 @@ Items (`--items` picks some; a failed item is reported and the next one runs):
   attention  GPT-2 124M forward + backward, left-padded, at T = 192, 320, 704: gpt2.py's SDPA
              backends against cuDNN forced, gradients finite and in agreement; then one SDPA call
              built to hit pytorch#196678 (a padded row's logsumexp below -88.7)
-  ranks      1 vs 2 GPUs, every script's final weights: fp32 within 1e-5, bf16 within --bf16_tol
-  resume     a checkpoint saved on 1 GPU resumes under torchrun on 2 GPUs and on the CPU
+  ranks      1 vs 2 GPUs, every script's final weights: fp32 within 1e-5, bf16 within
+             --bf16_tol; the 1-GPU run's checkpoint resumes under torchrun on 2 GPUs and on CPU
   speed      experiments/bench.py --sections cuda,forward,generate: the sft-like MFU of GPT-2
              124M in bf16 (target >= 45%) and sampling tokens/s against HF generate (>= 3x)
-  memory     torch.cuda.max_memory_allocated of each script at --memory_preset, 256-token
-             responses, micro-batch 8 (random init, synthetic data)
   tests      the test suite (pytest -v, over --test_workers with pytest-xdist if installed);
              tests/test_cuda.py's bf16 parity (DPO's first loss ln 2, GRPO's first minibatch
              on-policy) and its GPU-to-CPU resume are in it
@@ -31,7 +29,6 @@ it checks the paths, not the GPU. The report goes to stdout and, with every run'
 (default runs/gpu_check/<time>/report.{md,json}). Exit status 1 when an item fails.
 """
 
-import atexit
 import contextlib
 import glob
 import importlib.util
@@ -39,8 +36,6 @@ import json
 import math
 import os
 import re
-import resource
-import runpy
 import shutil
 import signal
 import subprocess
@@ -51,25 +46,23 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# gpt2.py and data/ live at the repository root
+# gpt2.py lives at the repository root
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import data  # noqa: E402
 import gpt2  # noqa: E402
 
-ITEMS = ("smoke", "attention", "ranks", "resume", "speed", "memory", "tests")
+ITEMS = ("smoke", "attention", "ranks", "speed", "tests")
 # measured with nothing else on the GPU: first, and alone, under --jobs
 TIMED = ("speed",)
 # each item's rough relative cost: --jobs balances its groups by them
-COST = dict(smoke=240, attention=10, ranks=300, resume=250, memory=300, tests=500)
+COST = dict(smoke=240, attention=10, ranks=450, tests=500)
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
 # dense bf16 peak FLOP/s by device name, the first match wins (for bench.py's MFU)
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
@@ -83,12 +76,9 @@ class Args:
     out: str = ""  # report directory; default runs/gpu_check/<time>
     max_gpus: int = 0  # use at most this many GPUs (0: all)
     cpu_ranks: int = 2  # --device cpu: gloo ranks stand in for GPU counts up to this
-    scripts: str = ",".join(SCRIPTS)  # the scripts that smoke, ranks, resume and memory run
+    scripts: str = ",".join(SCRIPTS)  # the scripts that the smoke and ranks items run
     bf16_tol: float = 0.05  # ranks: largest bf16 |Δ1 - Δ2| / |Δ1| (Δ: the weights' change)
     attn_tol: float = 0.05  # attention: largest relative L2 difference of bf16 gradients
-    memory_nproc: int = 1  # memory: GPUs per run; the batch grows with them
-    memory_preset: str = "gpt2-large"  # memory: the preset measured
-    response_length: int = 256  # memory: response tokens (data's, or sampled by ppo and grpo)
     timeout: int = 3600  # seconds any one subprocess may run
     deadline: int = 0  # seconds from the start after which no run starts (0: none)
     jobs: int = 1  # groups of untimed items run side by side, after the timed ones
@@ -244,12 +234,6 @@ def scripts(ctx):
     if set(chosen) - set(SCRIPTS):
         raise Failed(f"--scripts {ctx.args.scripts}: use some of {','.join(SCRIPTS)}")
     return chosen
-
-
-def first_row_with(out_dir, key):
-    """The first metrics.jsonl row of a run that holds key."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return next(row for row in map(json.loads, f) if key in row)
 
 
 # Parameters whose gradient is 0 in exact arithmetic (tests/test_world_sizes.py): the attention
@@ -416,38 +400,6 @@ def item_attention(ctx):
     return ok, lines, values
 
 
-def item_ranks(ctx):
-    """Each script's final weights at 1 and 2 GPUs (torchrun both), in fp32 and in bf16."""
-    if ctx.gpus < 2:
-        return None, ["needs 2 GPUs: skipped"], {}
-    start = stage_models(ctx)["sft"]
-    ok = True
-    body, values = [], {}
-    for script in scripts(ctx):
-        res = {}
-        for dtype in ("float32", "bfloat16"):
-            dirs = []
-            for k in (1, 2):
-                out = ctx.dir("ranks", f"{script}_{dtype}_{k}")
-                flags = [*script_flags(ctx, script, 2), "--dtype", dtype, "--out_dir", out]
-                run(ctx, f"ranks/{script}_{dtype}_{k}", launch(script, flags, k))
-                dirs.append(out)
-            res[dtype] = weight_diff(dirs[0], dirs[1], script, start)
-        fp32_max = res["float32"][0]
-        bf16_max, bf16_rel = res["bfloat16"]
-        good = fp32_max <= 1e-5 and bf16_rel <= ctx.args.bf16_tol
-        ok &= good
-        body.append([script, f"{fp32_max:.2e}", f"{bf16_max:.2e}", f"{bf16_rel:.2e}", yes(good)])
-        values[script] = res
-    header = ["script", "fp32: max abs diff", "bf16: max abs diff", "bf16: rel. update diff", "ok"]
-    lines = table(header, body)
-    lines.append(
-        f"pass: fp32 within 1e-5; bf16 |Δ1 - Δ2| / |Δ1| <= --bf16_tol {ctx.args.bf16_tol}"
-        " (Δ: the weights' change over the run, L2 over all compared tensors)"
-    )
-    return ok, lines, values
-
-
 def tensors_in(obj):
     if torch.is_tensor(obj):
         return [obj]
@@ -458,38 +410,67 @@ def tensors_in(obj):
     return [t for v in obj for t in tensors_in(v)]
 
 
-def item_resume(ctx):
-    """A 1-GPU fp32 run's step-2 checkpoint, resumed under torchrun on 2 GPUs and on the CPU:
-    each must end at the uninterrupted run's weights. The checkpoint holds CPU tensors only."""
+def cpu_only(checkpoint):
+    """Whether a checkpoint's .pt files (the run's state, its optimizers') hold CPU tensors only."""
+    files = glob.glob(os.path.join(checkpoint, "**", "*.pt"), recursive=True)
+    state = [torch.load(f, "cpu", weights_only=True) for f in files]
+    return all(t.device.type == "cpu" for t in tensors_in(state))
+
+
+def item_ranks(ctx):
+    """Each script at 1 and 2 GPUs (torchrun both), in fp32 and in bf16: the final weights
+    agree. The 1-GPU fp32 run's step-2 checkpoint holds CPU tensors only, and resumed under
+    torchrun on 2 GPUs and on the CPU it ends at the uninterrupted run's weights."""
+    start = stage_models(ctx)["sft"]
+    two = ctx.gpus >= 2
     ok = True
     body, values = [], {}
     for script in scripts(ctx):
-        flags = [*script_flags(ctx, script, 2), "--dtype", "float32", "--keep_checkpoints", 5]
-        first = ctx.dir("resume", f"{script}_1gpu")
-        run(ctx, f"resume/{script}_1gpu", launch(script, [*flags, "--out_dir", first]))
+        flags = [*script_flags(ctx, script, 2), "--keep_checkpoints", 5]
+        runs = [("float32", 1)]
+        if two:
+            runs += [("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+        dirs = {}
+        for dtype, k in runs:
+            name = f"{script}_{dtype}_{k}"
+            dirs[dtype, k] = ctx.dir("ranks", name)
+            cmd = launch(script, [*flags, "--dtype", dtype, "--out_dir", dirs[dtype, k]], k)
+            run(ctx, f"ranks/{name}", cmd)
+        first = dirs["float32", 1]
         step2 = os.path.join(first, "checkpoints", "step_00000002")
-        # the run's state and its optimizers'
-        files = glob.glob(os.path.join(step2, "**", "*.pt"), recursive=True)
-        state = [torch.load(f, "cpu", weights_only=True) for f in files]
-        res = {"cpu_only": all(t.device.type == "cpu" for t in tensors_in(state))}
+        res = {"cpu_only": cpu_only(step2)}
+        if two:
+            res["fp32"] = weight_diff(first, dirs["float32", 2], script, start)[0]
+            bf16 = weight_diff(dirs["bfloat16", 1], dirs["bfloat16", 2], script, start)
+            res["bf16"], res["bf16_rel"] = bf16
         targets = {"cpu": (0, {"CUDA_VISIBLE_DEVICES": ""})}
-        if ctx.gpus >= 2:
-            targets = {"2gpus": (2, {})} | targets
+        if two:
+            targets["2gpus"] = (2, {})
         for name, (nproc, env) in targets.items():
-            resumed = ctx.dir("resume", f"{script}_{name}")
+            resumed = ctx.dir("ranks", f"{script}_resumed_{name}")
             shutil.copytree(step2, os.path.join(resumed, "checkpoints", "step_00000002"))
-            cmd = launch(script, [*flags, "--out_dir", resumed, "--resume"], nproc)
-            run(ctx, f"resume/{script}_{name}", cmd, env)
-            res[name] = weight_diff(first, resumed, script)[0]
+            resume = ["--dtype", "float32", "--out_dir", resumed, "--resume"]
+            cmd = launch(script, [*flags, *resume], nproc)
+            run(ctx, f"ranks/{script}_resumed_{name}", cmd, env)
+            res[f"resumed_{name}"] = weight_diff(first, resumed, script)[0]
         # the CPU's fp32 kernels are not the GPU's: 1e-4 there, 1e-5 between GPU rank counts
-        good = res["cpu_only"] and res.get("2gpus", 0) <= 1e-5 and res["cpu"] <= 1e-4
+        good = res["cpu_only"] and res["resumed_cpu"] <= 1e-4
+        if two:
+            good &= res["fp32"] <= 1e-5 and res["bf16_rel"] <= ctx.args.bf16_tol
+            good &= res["resumed_2gpus"] <= 1e-5
         ok &= good
-        two = f"{res['2gpus']:.2e}" if "2gpus" in res else "skipped (1 GPU)"
-        body.append([script, yes(res["cpu_only"]), two, f"{res['cpu']:.2e}", yes(good)])
+        keys = ("fp32", "bf16", "bf16_rel", "resumed_2gpus", "resumed_cpu")
+        cells = [f"{res[key]:.2e}" if key in res else "– (1 GPU)" for key in keys]
+        body.append([script, *cells, yes(res["cpu_only"]), yes(good)])
         values[script] = res
-    header = ["script", "checkpoint: CPU tensors only", "2 GPUs: max abs diff", "CPU: max abs diff"]
-    lines = table([*header, "ok"], body)
-    lines.append("pass: CPU tensors only; 2 GPUs within 1e-5, the CPU within 1e-4 of the 1-GPU run")
+    header = ["script", "fp32 max diff", "bf16 max diff", "bf16 rel. update diff"]
+    header += ["resumed on 2 GPUs", "resumed on CPU", "checkpoint on CPU", "ok"]
+    lines = table(header, body)
+    lines.append(
+        "pass: 1 vs 2 GPUs, fp32 within 1e-5 and bf16 |Δ1 - Δ2| / |Δ1| <= --bf16_tol"
+        f" {ctx.args.bf16_tol} (Δ: the weights' change, L2); the checkpoint's tensors on the CPU;"
+        " resumed, 2 GPUs within 1e-5 and the CPU within 1e-4 of the uninterrupted 1-GPU run"
+    )
     return ok, lines, values
 
 
@@ -551,108 +532,6 @@ def item_speed(ctx):
     return ok if ctx.cuda else None, lines, values
 
 
-def synthetic_data(path, response_length, n=64, prompt_length=32, seed=0):
-    """A dataset in data/'s format with the GPT-2 tokenizer: random prompts and responses of
-    exactly response_length tokens (the last the stop token); the arithmetic verifier."""
-    meta = data.make_meta("gpt2", path, "arithmetic")
-    rng = np.random.default_rng(seed)
-    eos = meta["eos_token_id"]
-
-    def tokens(m, t):
-        # never the stop token
-        return rng.integers(0, eos, (m, t)).astype(np.int32)
-
-    def response(m):
-        return np.concatenate([tokens(m, response_length - 1), np.full((m, 1), eos, np.int32)], 1)
-
-    splits = {}
-    for split, m in (("train", n), ("test", 16)):
-        query = tokens(m, prompt_length)
-        splits[f"sft_{split}"] = dict(query=query, response=response(m))
-        splits[f"pref_{split}"] = dict(query=query, chosen=response(m), rejected=response(m))
-        splits[f"prompt_{split}"] = dict(query=query, ground_truth=np.array(["0"] * m))
-    data.write_dataset(path, meta, splits)
-
-
-def random_models(ctx, preset, block_size):
-    """A random-init GPT-2 of a preset and a reward model on it, saved by gpt2.save."""
-    root = os.path.join(ctx.out, "work", "models", preset)
-    if not os.path.isfile(os.path.join(root, "reward", "model.safetensors")):
-        torch.manual_seed(0)
-        cfg = gpt2.GPTConfig(**gpt2.PRESETS[preset] | dict(block_size=block_size))
-        # the init on the GPU: seconds, not minutes
-        with torch.device(ctx.device):
-            model = gpt2.GPT(cfg)
-        gpt2.save(model, os.path.join(root, "policy"))
-        gpt2.save(gpt2.ScalarModel(model), os.path.join(root, "reward"))
-        # the runs need the GPU's memory
-        del model
-        torch.cuda.empty_cache()
-    return os.path.join(root, "policy"), os.path.join(root, "reward")
-
-
-def memory_flags(script, policy, reward, dataset, k, length):
-    """One optimizer step at micro-batch 8 (pairs for dpo and reward) on each of k GPUs."""
-    flags = ["--model", policy, "--data", dataset, "--eval_size", 0, "--keep_checkpoints", 1]
-    batch = ["--batch_size", 8 * k, "--micro_batch_size", 8]
-    steps = ["--total_steps", 1, "--warmup_steps", 1, *batch]
-    rollout = ["--num_minibatches", 1, "--total_episodes", 8 * k, "--response_length", length]
-    if script == "sft":
-        return flags + steps
-    if script == "reward":
-        return flags + steps + ["--norm_samples", 8 * k, "--response_length", length]
-    if script == "dpo":
-        return flags + steps + ["--max_train_pairs", 8 * k]
-    if script == "ppo":
-        return flags + batch + rollout + ["--num_ppo_epochs", 1, "--reward_model", reward]
-    # grpo: a reference model held (beta > 0), as DeepSeekMath
-    prompts = ["--num_prompts_per_step", 2 * k, "--num_samples_per_prompt", 4]
-    return flags + prompts + ["--micro_batch_size", 8, *rollout, "--beta", 0.04]
-
-
-def item_memory(ctx):
-    """Peak memory of each script at --memory_preset, micro-batch 8, --response_length tokens
-    (on CPU: peak RSS at a tiny shape and 32 tokens), measured to its first save by child_peak."""
-    preset = ctx.args.memory_preset if ctx.cuda else "tiny"
-    length = ctx.args.response_length if ctx.cuda else 32
-    k = ctx.args.memory_nproc if ctx.cuda else 1
-    dataset = ctx.dir("memory", f"data_{length}")
-    synthetic_data(dataset, length)
-    policy, reward = random_models(ctx, preset, 1024 if ctx.cuda else 512)
-    key = "cuda_max_allocated" if ctx.cuda else "max_rss"
-    ok = True
-    body, values = [], {}
-    for script in scripts(ctx):
-        name = f"memory/{script}_{preset}"
-        out = ctx.dir(name)
-        peak_file = os.path.join(ctx.out, "work", f"{name}.peak")
-        flags = memory_flags(script, policy, reward, dataset, k, length) + ["--out_dir", out]
-        child = ["--child", "peak", peak_file, os.path.join(ROOT, f"{script}.py"), *flags]
-        rc, output = run(ctx, name, launch(os.path.abspath(__file__), child, k), check=False)
-        # gpt2-xl checkpoints take tens of GB
-        shutil.rmtree(out, ignore_errors=True)
-        gib, error = None, ""
-        if rc == 0:
-            peaks = []
-            for r in range(k):
-                with open(f"{peak_file}.rank{r}") as f:
-                    peaks.append(json.load(f)[key])
-            gib = max(peaks) / 2**30
-        elif "out of memory" not in output.lower() and "OutOfMemoryError" not in output:
-            error = last_line(output)
-        ok &= not error
-        body.append([script, error or ("out of memory" if gib is None else f"{gib:.2f}")])
-        values[script] = dict(gib=gib, error=error)
-    shutil.rmtree(os.path.join(ctx.out, "work", "models"), ignore_errors=True)
-    what = "torch.cuda.max_memory_allocated" if ctx.cuda else "peak RSS (CPU dry run)"
-    lines = [
-        f"{what} of the largest rank, torchrun x{k}, micro-batch 8, {length}-token responses,"
-        " random init, synthetic data, one optimizer step",
-        "",
-    ]
-    return ok, lines + table(["script", f"{preset}: GiB"], body), values
-
-
 def item_tests(ctx):
     """The suite, every test's outcome streamed to the log (-v), so a run that the deadline
     stops still reports the tests that finished."""
@@ -674,39 +553,6 @@ def item_tests(ctx):
         line += f"; {int(total.group(1)) - len(outcomes)} not run"
     lines = [line] + [f"- {w}: {t}" for t, w in outcomes.items() if w in ("FAILED", "ERROR")]
     return rc == 0, lines, dict(rc=rc, outcomes=outcomes)
-
-
-def child_peak(path, script, argv):
-    """What the memory item starts (under torchrun): `python script argv` in this process until
-    its first save; at its exit, this rank's peak memory goes to path.rank<RANK>."""
-    sys.argv = [script, *argv]
-
-    def report():
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        stats = dict(max_rss=usage.ru_maxrss * 1024)
-        if torch.cuda.is_available():
-            stats["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-            stats["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
-        with open(f"{path}.rank{os.environ.get('RANK', '0')}", "w") as f:
-            json.dump(stats, f)
-
-    exit_now = os._exit
-
-    # os._exit, which ends torchrun runs, skips atexit: report first
-    def exit_after_report(code):
-        report()
-        exit_now(code)
-
-    os._exit = exit_after_report
-    atexit.register(report)
-
-    # every script's first save follows its one optimizer step (and reward.py's normalisation):
-    # the peak is in, and the GBs of checkpoint a large preset writes are not measured
-    def stop_at_save(*args, **kwargs):
-        os._exit(0)
-
-    gpt2.save = stop_at_save
-    runpy.run_path(script, run_name="__main__")
 
 
 # ---------------------------------------------------------------------------------------
@@ -842,9 +688,7 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:3] == ["--child", "peak"]:
-        child_peak(sys.argv[3], sys.argv[4], sys.argv[5:])
-    elif sys.argv[1:3] == ["--child", "items"]:
+    if sys.argv[1:3] == ["--child", "items"]:
         # a group of --jobs, with the parent's Args
         main(Args(**json.loads(sys.argv[3])))
     else:
