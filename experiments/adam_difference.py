@@ -1,37 +1,21 @@
 """The minimal Adam difference as a study: when does PyTorch's Adam make a larger first
 PPO update than TF's?
 
-Huang, Liu, von Werra 2023, "The N Implementation Details of RLHF with PPO"
-(github.com/vwxyzjn/minimal-adam-difference) replayed lm-human-preferences' first PPO
-minibatch of GPT-2 124M at lr 1e-5, eps 1e-5: approxkl 0.00237 after one step of
-`torch.optim.Adam` against 0.00037 after one step of TensorFlow's Adam (6.4x). On the
-first step TF's Adam is PyTorch's with eps / sqrt(1 - beta2) = 31.6 eps (adam_tf.py), so a
-parameter whose |g| is small next to that takes a damped step lr * g / (31.6 eps) instead
-of ~lr * sign(g). Adam ignores the loss scale except through eps, so sweeping eps at fixed
-gradients sweeps the loss scale. Measured:
-
-  (a) for each --eps: approxkl, clipfrac and mean |theta - theta_0| after one step of torch Adam
-      and of AdamTF from the same policy and minibatch, and their ratios (median and range over
-      --seeds);
-  (b) the distribution of |g| over all parameters, which places a model on the sweep: its x is
-      d = (eps / sqrt(1 - beta2)) / median |g|.
-
-One minibatch of --batch_size rollouts: prompts of --data, responses sampled at
---temperature, one score each (the task's verifier, or --reward random: N(0, 1)), centred
-and scaled, then lm-human-preferences' first-update advantages (the score on the last
-token, values 0, GAE(1, 0.95), whitened). Loss: PPO's clipped surrogate, token mean.
---model: `sft` trains a tiny policy with `python sft.py --total_steps 300` once into
---sft_dir; `random:PRESET` is a random init of a gpt2.py preset, seeded per seed; `gpt2`
-is the pretrained GPT-2 124M (downloads its weights); or a checkpoint dir. Figures and
-what they depend on: docs/adam.md. Plots need matplotlib.
+Huang, Liu, von Werra 2023 ("The N Implementation Details of RLHF with PPO",
+github.com/vwxyzjn/minimal-adam-difference) replayed lm-human-preferences' first PPO
+minibatch of GPT-2 124M: approxkl 0.00237 after one step of torch.optim.Adam, 0.00037
+after one of TF's Adam (6.4x). TF's first step is PyTorch's with eps / sqrt(1 - beta2) =
+31.6 eps (adam_tf.py), which damps every parameter whose |g| is small next to that. This
+measures, for each --eps, approxkl, clipfrac and mean |theta - theta_0| after one step of
+each optimizer from the same policy and minibatch (median and range over --seeds), and the
+distribution of |g|, which places a model on the sweep: d = (eps / sqrt(1 - beta2)) /
+median |g|. Setup, policies and figures: docs/adam.md. Plots need matplotlib.
 
     python experiments/adam_difference.py --out /tmp/adam/sft.json  # tiny SFT, seeds 1 2 3
-    python experiments/adam_difference.py --model random:tiny --reward random \\
-        --out /tmp/adam/rand.json
-    python experiments/adam_difference.py --model random:gpt2 --reward random --batch_size 32 \\
-        --eps 1e-6 1e-5 1e-4 1e-3 --out /tmp/adam/gpt2.json  # the GPT-2 124M shape
+    python experiments/adam_difference.py --model random:gpt2 --reward random \\
+        --batch_size 32 --eps 1e-6 1e-5 1e-4 1e-3 --out /tmp/adam/gpt2.json
     python experiments/adam_difference.py --seeds --overlay /tmp/adam/sft.json \\
-        /tmp/adam/rand.json /tmp/adam/gpt2.json --plot docs/adam  # no new runs: tables, plots
+        /tmp/adam/gpt2.json --plot docs/adam  # no new runs: tables and plots
 """
 
 import json

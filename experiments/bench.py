@@ -1,38 +1,24 @@
 """Speed of gpt2.py against Hugging Face transformers, side by side in one run (not a test).
 
 Sections (--sections):
-  forward    forward + backward tokens/s of gpt2.GPT and transformers.GPT2LMHeadModel, same
-             config, weights and batch; fp32 and bf16 autocast (bf16 only on CUDA); --compile
-             adds torch.compile(ours)
-  generate   sampling tokens/s of gpt2.generate (KV cache) and HF `generate` on the same
-             left-padded prompts (temperature 1, top_k 0, no stop token: both sample exactly
-             B x new_tokens); and whether greedy fp32 outputs are identical
-  optimizer  one AdamW step over a preset's parameters: torch's for-loop, foreach and fused
-  cuda       GPT-2 124M: sft.py's bf16 training step with the LM head in fp32, TF32 and bf16 ->
-             MFU; a GRPO-sized rollout -> tokens/s (CUDA only)
+  forward   forward + backward tokens/s of gpt2.GPT and transformers.GPT2LMHeadModel, the
+            same weights and batch; fp32 and bf16 autocast; --compile adds torch.compile(ours)
+  generate  sampling tokens/s of gpt2.generate and HF `generate` from the same left-padded
+            prompts (both sample exactly B x new_tokens); greedy fp32 outputs identical?
+  cuda      GPT-2 124M: sft.py's bf16 step with the LM head in fp32, TF32 and bf16 -> MFU;
+            a GRPO-sized rollout -> tokens/s (CUDA only)
 
-Timings are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine
-hits both alike; each ratio is the median over turns of the ratio within one turn, printed with
-its range over the turns. Weights are random: speed does not depend on them. transformers is a
-benchmark-only dependency: pip install -r requirements-test.txt.
+Turns are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine
+hits both alike; a ratio is the median over turns of the ratio within one turn, with its
+range. Weights are random: speed does not depend on them.
 
---profile runs a training command instead, in this process, under torch.profiler from the end
-of optimizer step START to the end of step STOP (--profile_steps), prints the wall time per
-step and the profiler's ops by self CPU time, and exits without finishing the run. It hooks
-torch's global optimizer-step hook, so it profiles any torch trainer (TRL's too). The profiler
-adds overhead: compare its tables, not its times, with a benchmark's.
-
-    python experiments/bench.py  # forward, generate, optimizer, cuda: minutes on 2 cores
+    python experiments/bench.py  # forward, generate (and cuda on a GPU): minutes on 2 cores
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
-    python experiments/bench.py --sections optimizer --presets tiny --repeats 3  # seconds
-    python experiments/bench.py --profile "sft.py --model DIR --total_steps 30 --out_dir /tmp/p" \\
-        --profile_steps 6 14
+    python experiments/bench.py --sections generate --presets tiny --repeats 3  # seconds
 """
 
 import json
 import os
-import runpy
-import shlex
 import statistics
 import sys
 import time
@@ -49,14 +35,14 @@ sys.path.insert(0, ROOT)
 
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "generate", "optimizer", "cuda")
+SECTIONS = ("forward", "generate", "cuda")
 # the LM head's GEMM: gpt2.py's default, TF32 tensor cores, bf16
 HEADS = ("fp32", "tf32", "bf16")
 
 
 @dataclass
 class Args:
-    sections: str = "forward,generate,optimizer,cuda"  # comma-separated, of SECTIONS
+    sections: str = "forward,generate,cuda"  # comma-separated: forward, generate, cuda
     presets: str = "tiny,gpt2"  # comma-separated gpt2.py presets (not the cuda section's)
     dtypes: str = "auto"  # forward: float32 and/or bfloat16; auto: both on CPU, bf16 on CUDA
     fwd_shape: str = "auto"  # forward: B x T; auto: 64x64 tiny, else 2x128 CPU, 8x1024 CUDA
@@ -71,9 +57,6 @@ class Args:
     rollout_shape: str = "256x128x128"  # cuda: prompts x prompt length x new tokens
     seed: int = 0  # seed for weights, inputs and sampling
     out: str = ""  # also write all results to this JSON file
-    profile: str = ""  # instead of the sections: profile this training command, "sft.py ..."
-    profile_steps: tuple[int, int] = (5, 13)  # --profile: from the end of one step to another
-    profile_rows: int = 25  # --profile: rows of the profiler's table
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,30 +280,6 @@ def bench_generate(args, device, sync, meta):
     return rows
 
 
-def bench_optimizer(args, device, sync):
-    rows = []
-    for preset in args.presets.split(","):
-        torch.manual_seed(args.seed)
-        model = gpt2.GPT(config(preset)).to(device)
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) * 1e-3
-        params = list(model.parameters())
-        fns = {
-            "for_loop": torch.optim.AdamW(params, lr=1e-5, foreach=False).step,
-            "foreach": torch.optim.AdamW(params, lr=1e-5, foreach=True).step,
-            "fused": torch.optim.AdamW(params, lr=1e-5, fused=True).step,
-        }
-        sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-        n_params = sum(p.numel() for p in params)
-        row = {"preset": preset, "params": f"{n_params / 1e6:.1f}M"}
-        for name in fns:
-            row[f"{name} ms"] = 1e3 * sec[name]
-        row |= speedup(times, "fused", "foreach", "fused/foreach")
-        row |= speedup(times, "fused", "for_loop", "fused/for-loop")
-        rows.append(show(row))
-    return rows
-
-
 def bench_cuda(args, device, sync):
     """GPT-2 124M: sft.py's bf16 training step (its loss through gpt2.logprobs, autocast, AdamW,
     clipping) with the LM head's GEMM in each of HEADS, turn about -> MFU of each; a rollout ->
@@ -384,57 +343,7 @@ def bench_cuda(args, device, sync):
     return [show(row) for row in rows]
 
 
-# ---------------------------------------------------------------------------------------
-# --profile: a training command's steps under torch.profiler
-
-
-def profile_command(args):
-    """Run the command in this process; profile from the end of optimizer step START to the end
-    of step STOP, print the table and exit (no evaluation or save)."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.profiler import ProfilerActivity, profile
-
-    command = shlex.split(args.profile)
-    start, stop = args.profile_steps
-    if not 1 <= start < stop:
-        raise gpt2.RunError(f"--profile_steps {start} {stop}: need 1 <= START < STOP")
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities)
-    steps = []
-
-    def hook(optimizer, hook_args, hook_kwargs):
-        steps.append(time.perf_counter())
-        if len(steps) == start:
-            prof.__enter__()
-        if len(steps) < stop:
-            return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        per_step = (time.perf_counter() - steps[start - 1]) / (stop - start)
-        prof.__exit__(None, None, None)
-        ops = prof.key_averages()
-        table = ops.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
-        timing = f"steps {start}-{stop}: {per_step * 1e3:.1f} ms per step under the profiler"
-        text = f"{args.profile}\n{timing}\n{table}"
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
-        # the run's remaining steps, evaluation and save are not wanted
-        os._exit(0)
-
-    register_optimizer_step_post_hook(hook)
-    sys.argv = command
-    sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
-    runpy.run_path(command[0], run_name="__main__")
-    raise gpt2.RunError(f"{command[0]} ran {len(steps)} optimizer steps, fewer than {stop}")
-
-
 def main(args: Args):
-    if args.profile:
-        return profile_command(args)
     sections = args.sections.split(",")
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
@@ -452,8 +361,6 @@ def main(args: Args):
             results[section] = bench_forward(args, device, sync, meta)
         elif section == "generate":
             results[section] = bench_generate(args, device, sync, meta)
-        elif section == "optimizer":
-            results[section] = bench_optimizer(args, device, sync)
         elif cuda:
             results[section] = bench_cuda(args, device, sync)
         else:

@@ -2,31 +2,25 @@
 command that prints one report.
 
 Items (`--items` picks some; a failed item is reported and the next one runs):
-  smoke      `python pipeline.py --smoke`, then every script for 3 steps under torchrun at every
-             GPU count 1..N
-  attention  GPT-2 124M forward + backward, left-padded, at T = 192, 320, 704: gpt2.py's SDPA
-             backends against cuDNN forced, gradients finite and in agreement; then one SDPA call
-             built to hit pytorch#196678 (a padded row's logsumexp below -88.7)
-  ranks      1 vs 2 GPUs, every script's final weights: fp32 within 1e-5, bf16 within
-             --bf16_tol; the 1-GPU run's checkpoint resumes under torchrun on 2 GPUs and on CPU
-  speed      experiments/bench.py --sections cuda,forward,generate: the sft-like MFU of GPT-2
-             124M in bf16 (target >= 45%) and sampling tokens/s against HF generate (>= 3x)
-  tests      the test suite (pytest -v, over --test_workers with pytest-xdist if installed);
-             tests/test_cuda.py's bf16 parity (DPO's first loss ln 2, GRPO's first minibatch
-             on-policy) and its GPU-to-CPU resume are in it
+  smoke      `python pipeline.py --smoke`, then every script for 3 steps at 1..N GPUs
+  attention  GPT-2 124M forward + backward, left-padded: gpt2.py's SDPA backends against
+             cuDNN forced; then one SDPA call built to hit pytorch#196678
+  ranks      every script at 1 and 2 GPUs: fp32 within 1e-5, bf16 within --bf16_tol; the
+             1-GPU run's checkpoint resumes on 2 GPUs and on the CPU
+  speed      bench.py's cuda, forward, generate: sft.py's MFU (target >= 45%), sampling
+             against HF generate (target >= 3x)
+  tests      the suite, pytest -v; tests/test_cuda.py has the bf16 parity checks
 
-    python experiments/gpu_check.py                          # everything, every GPU count
+    python experiments/gpu_check.py                          # everything
     python experiments/gpu_check.py --items attention,ranks  # some items
-    python experiments/gpu_check.py --device cpu             # a dry run of every item on CPU
-    python experiments/gpu_check.py --jobs 3 --deadline 500  # a 15-minute lease: one call
+    python experiments/gpu_check.py --device cpu             # a dry run on CPU
+    python experiments/gpu_check.py --jobs 3 --deadline 500  # a 15-minute lease
 
---jobs N runs the timed item (speed) first and alone, then the others side by side in N
-groups, each a child gpu_check with its own folder under --out. --deadline stops every run at
-that many seconds from the start; the report is written after each item, so what finished is
-kept. Without CUDA (and without --device cpu) it says so, runs the attention item's CPU sanity
-check and stops. --device cpu runs every item's code on CPU (gloo ranks for GPUs, tiny shapes):
-it checks the paths, not the GPU. The report goes to stdout and, with every run's log, to --out
-(default runs/gpu_check/<time>/report.{md,json}). Exit status 1 when an item fails.
+--jobs N runs speed first and alone, then the other items in N groups side by side, each a
+child gpu_check. --deadline stops every run that many seconds from the start; the report is
+rewritten after each item. Without CUDA it runs the attention item's CPU sanity check only;
+--device cpu runs every item on CPU (gloo ranks for GPUs, tiny shapes). The report goes to
+stdout and to --out (default runs/gpu_check/<time>/report.{md,json}); exit 1 if an item fails.
 """
 
 import contextlib

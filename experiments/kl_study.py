@@ -1,23 +1,16 @@
-"""Which KL estimator in the GRPO loss holds the policy near the reference? A grid of
-short grpo.py runs.
+"""Which KL estimator in the GRPO loss holds the policy near the reference? A grid of short
+grpo.py runs.
 
-For each --kl_estimator (k1..k4, see grpo.kl_penalty) and each beta, train from the same
-SFT model and read back the KL reached (`objective/kl`: always the k3 estimate of
-KL(pi_theta || pi_ref) per token, whatever was optimised, averaged over the last few
-logged steps because one batch's estimate is noisy) and the final greedy eval accuracy.
-Expected (open-instruct issue #534): with k2, k3 and k4 the KL falls as beta grows; k1's
-gradient is zero in expectation, so k1 in the loss does not control the KL. beta = 0 has
-no KL term, so it runs once and every estimator shares it. The table goes to
-OUT_DIR/results.md and, with matplotlib (requirements-plot.txt), a plot of KL against beta
-to OUT_DIR/kl_study.png.
-
-Each run is `python grpo.py ... --out_dir OUT_DIR/<estimator>_beta<beta>` (a subprocess).
-A finished run made with the same flags is reused; any other is rerun with grpo.py's
---overwrite. --grpo_args takes its value after `=`: a value starting with -- is otherwise
-read as a flag.
+For each --kl_estimator (k1..k4, see grpo.kl_penalty) and each beta, train from the same SFT
+model and read back the KL reached (`objective/kl`: always the k3 estimate per token, averaged
+over the last logged steps) and the final greedy eval accuracy. Expected (open-instruct issue
+#534): with k2, k3 and k4 the KL falls as beta grows; k1's gradient is zero in expectation, so
+k1 does not control the KL. beta = 0 runs once, shared by every estimator. The table goes to
+OUT_DIR/results.md and, with matplotlib, a plot of KL against beta to OUT_DIR/kl_study.png.
+Each run is `python grpo.py ... --out_dir OUT_DIR/<estimator>_beta<beta>`; a finished run
+with the same flags is reused.
 
     python experiments/kl_study.py  # from runs/sft/latest (what `python sft.py` links)
-    python experiments/kl_study.py --betas 0 0.1 0.3 --total_episodes 20480
     python experiments/kl_study.py --grpo_args="--seed 2" --out_dir runs/kl_study_seed2
     python experiments/kl_study.py --estimators k1 k3 --betas 0 0.1 --total_episodes 512 \\
         --grpo_args="--eval_size 16" --out_dir /tmp/kl_smoke  # a smoke run: 2 steps each

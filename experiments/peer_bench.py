@@ -1,36 +1,23 @@
-"""Peer benchmark: this project's training scripts against the TRL trainers users would
-otherwise pick, at equal work (CPU).
+"""Peer benchmark: this project's training scripts against TRL's trainers at equal work (CPU).
 
-Compared, each on the tiny model (0.8M) and on the GPT-2 124M shape (vocab 257, smaller
-batches):
-
-  sft   sft.py vs trl.SFTTrainer, in tokens/s
+  sft   sft.py vs trl.SFTTrainer, tokens/s
   dpo   dpo.py vs trl.DPOTrainer, its default (a reference forward every step) and
-        precompute_ref_log_probs=True (dpo.py scores the reference once before step 0),
-        in pairs/s
-  grpo  grpo.py vs trl.GRPOTrainer at beta 0 and 0.03, the task's verifier as the reward
-        on both sides, in episodes/s
+        precompute_ref_log_probs=True (dpo.py scores the reference before step 0), pairs/s
+  grpo  grpo.py vs trl.GRPOTrainer at beta 0 and 0.03, the task's verifier, episodes/s
 
-PPO is not compared: TRL 1.16 has no PPO trainer. Equal work: the same weights (a random
-init saved by gpt2.save, loaded by transformers.GPT2LMHeadModel; the logits are checked
-equal), the same rows of the offline arithmetic task, batch sizes, response lengths,
-optimizer steps, fp32, no gradient checkpointing, a log row every step. The differences
-that remain are printed with each section (and listed in docs/benchmarks.md). Each run
-is its own process; a step is timed from one optimizer step's end to the next (ours: a
-global optimizer-step hook; TRL: a TrainerCallback's on_step_end), the first --warmup
-steps, start-up and evaluation excluded. Ours and TRL's runs alternate (ABBA over
-turns); each turn gives a ratio ours / TRL of throughputs, summarised as the median and
-range over turns, with each process's peak RSS.
-
-Needs its own venv (TRL and what it needs on top of the runtime packages); our scripts
-run in it too, so both sides use the same torch:
+On the tiny model and the GPT-2 124M shape (vocab 257). TRL 1.16 has no PPO trainer. Equal
+work: the same weights (checked equal logits), rows, batch sizes, response lengths, steps,
+fp32, a log row every step; what still differs is printed with each section. Each run is
+its own process, its steps timed from one optimizer step's end to the next after --warmup;
+the sides alternate (ABBA over turns), and each comparison is the median and range over
+turns of the ratio ours / TRL, with each process's peak RSS. Setup and figures:
+docs/benchmarks.md. It needs TRL in a venv of its own, where our scripts run too:
 
     python3 -m venv /work/peer-venv
     /work/peer-venv/bin/pip install -r experiments/requirements-peer.txt
     /work/peer-venv/bin/python experiments/peer_bench.py  # all: ~8 min on 2 quiet cores
-    /work/peer-venv/bin/python experiments/peer_bench.py --sections grpo --presets gpt2 --turns 5
-    /work/peer-venv/bin/python experiments/peer_bench.py --turns 1 --steps 3 --warmup 1  # smoke
-    /work/peer-venv/bin/python experiments/peer_bench.py --compare_gemm --turns 5  # + ours on MKL
+    /work/peer-venv/bin/python experiments/peer_bench.py --turns 1 --steps 3 --warmup 1
+    /work/peer-venv/bin/python experiments/peer_bench.py --compare_gemm  # + ours on MKL
 """
 
 import json
