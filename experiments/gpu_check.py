@@ -2,7 +2,7 @@
 command that prints one report.
 
 Items (`--items` picks some; a failed item is reported and the next one runs):
-  smoke      `python pipeline.py --smoke`, then every script for 3 steps at 1..N GPUs
+  smoke      `python pipeline.py --smoke`, then every script for 3 steps on all N GPUs
   attention  GPT-2 124M forward + backward, left-padded: gpt2.py's SDPA backends against
              cuDNN forced; then one SDPA call built to hit pytorch#196678
   ranks      every script at 1 and 2 GPUs: fp32 within 1e-5, bf16 within --bf16_tol; the
@@ -14,13 +14,18 @@ Items (`--items` picks some; a failed item is reported and the next one runs):
     python experiments/gpu_check.py                          # everything
     python experiments/gpu_check.py --items attention,ranks  # some items
     python experiments/gpu_check.py --device cpu             # a dry run on CPU
-    python experiments/gpu_check.py --jobs 3 --deadline 500  # a 15-minute lease
 
---jobs N runs speed first and alone, then the other items in N groups side by side, each a
-child gpu_check. --deadline stops every run that many seconds from the start; the report is
-rewritten after each item. Without CUDA it runs the attention item's CPU sanity check only;
---device cpu runs every item on CPU (gloo ranks for GPUs, tiny shapes). The report goes to
-stdout and to --out (default runs/gpu_check/<time>/report.{md,json}); exit 1 if an item fails.
+A 15-minute lease in one call: speed alone first (it times the GPU), then the rest side by
+side, each stopped --deadline seconds after its start (the report is rewritten after each
+item, so what finished is kept):
+
+    D=runs/gpu_check/lease; python experiments/gpu_check.py --items speed --out $D/speed \\
+        --deadline 120; for i in smoke,attention ranks tests; do python \\
+        experiments/gpu_check.py --items $i --out $D/$i --deadline 380 & done; wait
+
+Without CUDA it runs the attention item's CPU sanity check only; --device cpu runs every item
+on CPU (gloo ranks for GPUs, tiny shapes). The report goes to stdout and to --out (default
+runs/gpu_check/<time>/report.{md,json}); exit status 1 when an item fails.
 """
 
 import contextlib
@@ -36,7 +41,7 @@ import subprocess
 import sys
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -53,10 +58,6 @@ sys.path.insert(0, ROOT)
 import gpt2  # noqa: E402
 
 ITEMS = ("smoke", "attention", "ranks", "speed", "tests")
-# measured with nothing else on the GPU: first, and alone, under --jobs
-TIMED = ("speed",)
-# each item's rough relative cost: --jobs balances its groups by them
-COST = dict(smoke=240, attention=10, ranks=450, tests=500)
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
 # dense bf16 peak FLOP/s by device name, the first match wins (for bench.py's MFU)
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
@@ -75,7 +76,6 @@ class Args:
     attn_tol: float = 0.05  # attention: largest relative L2 difference of bf16 gradients
     timeout: int = 3600  # seconds any one subprocess may run
     deadline: int = 0  # seconds from the start after which no run starts (0: none)
-    jobs: int = 1  # groups of untimed items run side by side, after the timed ones
     test_workers: int = 6  # tests: pytest-xdist workers (when pytest-xdist is installed)
 
 
@@ -263,16 +263,6 @@ def weight_diff(out_a, out_b, script, start=None):
     return worst, math.sqrt(num / den) if den else float("nan")
 
 
-@contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def padded_batch(B, T, pad, device, seed=0):
     """Random tokens (B, T) below pad, row i left-padded with i * T // (2 B) pads; the mask."""
     g = torch.Generator().manual_seed(seed)
@@ -286,28 +276,25 @@ def padded_batch(B, T, pad, device, seed=0):
 
 
 def item_smoke(ctx):
-    """pipeline.py --smoke (one process per stage), then every script under torchrun at 1..N."""
+    """pipeline.py --smoke (one process per stage), then every script under torchrun on all N
+    GPUs (the ranks item runs them at 1 and 2)."""
     work = ctx.dir("smoke")
     # the pipeline's runs/ and `latest` links go here, not into the repository
     os.makedirs(work)
     cmd = [sys.executable, f"{ROOT}/pipeline.py", "--smoke"]
     rc, output = run(ctx, "smoke/pipeline", cmd, cwd=work, check=False)
     results = {"pipeline": "ok" if rc == 0 else f"FAILED: {last_line(output)}"}
-    counts = range(1, ctx.gpus + 1)
-    warned, body = [], []
+    k = ctx.gpus
+    lines = []
     for script in scripts(ctx):
-        row = [script]
-        for k in counts:
-            flags = [*script_flags(ctx, script, k, 16), "--out_dir", f"{work}/{script}_{k}"]
-            rc, output = run(ctx, f"smoke/{script}_{k}", launch(script, flags, k), check=False)
-            results[f"{script} x{k}"] = "ok" if rc == 0 else f"FAILED: {last_line(output)}"
-            row.append(results[f"{script} x{k}"][:80])
-            warnings = [line.strip() for line in output.splitlines() if "Warning" in line]
-            warned += [f"{script} x{k}: {line[:200]}" for line in warnings[:1]]
-        body.append(row)
-    lines = [f"`python pipeline.py --smoke`: {results['pipeline']}", ""]
-    lines += table(["script", *(f"torchrun x{k}" for k in counts)], body)
-    lines += [f"warning printed: {w}" for w in warned]
+        flags = [*script_flags(ctx, script, k, 16), "--out_dir", f"{work}/{script}_{k}"]
+        rc, output = run(ctx, f"smoke/{script}_{k}", launch(script, flags, k), check=False)
+        results[script] = "ok" if rc == 0 else f"FAILED: {last_line(output)}"
+        warnings = [line.strip() for line in output.splitlines() if "Warning" in line]
+        lines += [f"warning printed: {script}: {line[:200]}" for line in warnings[:1]]
+    body = [[script, results[script][:80]] for script in scripts(ctx)]
+    head = [f"`python pipeline.py --smoke`: {results['pipeline']}", ""]
+    lines = head + table(["script", f"torchrun x{k}"], body) + lines
     return all(v == "ok" for v in results.values()), lines, results
 
 
@@ -341,10 +328,14 @@ def lse_case(device, backends, T, dtype):
 def model_grads(model, idx, mask, backends, amp):
     """All parameters' gradients (flat) of the mean next-token loss, with these SDPA backends."""
     model.zero_grad(set_to_none=True)
-    with patched(gpt2, "SDPA_BACKENDS", backends), amp:
-        logits = model(idx, mask)  # (B, T, V)
-        logits = logits[:, :-1].flatten(0, 1).float()
-        nll = F.cross_entropy(logits, idx[:, 1:].flatten(), reduction="none")
+    ours = gpt2.SDPA_BACKENDS
+    gpt2.SDPA_BACKENDS = backends
+    try:
+        with amp:
+            logits = model(idx, mask)[:, :-1].flatten(0, 1).float()
+            nll = F.cross_entropy(logits, idx[:, 1:].flatten(), reduction="none")
+    finally:
+        gpt2.SDPA_BACKENDS = ours
     (nll * mask[:, 1:].flatten()).sum().div(mask[:, 1:].sum()).backward()
     return torch.cat([p.grad.to_dense().flatten().float() for p in model.parameters()])
 
@@ -476,54 +467,47 @@ def bench(ctx, name, flags):
         return json.load(f)
 
 
+def bench_table(rows):
+    """A table of bench.py's result rows: every row's keys, in order."""
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    body = []
+    for row in rows:
+        cells = [row.get(key, "–") for key in keys]
+        body.append([f"{c:,.4g}" if isinstance(c, float) else c for c in cells])
+    return table(keys, body)
+
+
 def item_speed(ctx):
     """bench.py's cuda (eager, then compiled), forward and generate sections at GPT-2 124M:
-    sft.py's MFU with each LM head, and ours / HF sampling."""
+    sft.py's MFU with each LM head (target >= 45%), and sampling against HF (target >= 3x)."""
+    # the dry run: the tiny preset, one turn
+    flags = ["--sections", "forward,generate", "--presets", "tiny", "--repeats", 1]
+    flags += ["--min_time", 0.01]
     if ctx.cuda:
+        flags = ["--sections", "cuda,forward,generate", "--presets", "gpt2"]
         gpu = torch.cuda.get_device_name()
         peak = next((f for key, f in PEAK_FLOPS if key in gpu), None)
-        flags = ["--sections", "cuda,forward,generate", "--presets", "gpt2"]
         if peak:
             flags += ["--peak_flops", f"{peak:.4g}"]
-    else:
-        # the dry run: the tiny preset, one turn
-        flags = ["--sections", "forward,generate", "--presets", "tiny", "--repeats", 1]
-        flags += ["--min_time", 0.01]
     results = bench(ctx, "bench", flags)
-    lines = [f"`python experiments/bench.py {' '.join(map(str, flags))}`", ""]
-    ok, values = True, {}
+    commands = [flags]
     if ctx.cuda:
         compiled = ["--sections", "cuda", *flags[4:], "--compile"]
         results["cuda"] += bench(ctx, "bench_compiled", compiled)["cuda"]
-        lines.insert(1, f"`python experiments/bench.py {' '.join(compiled)}`")
-        # the default: fp32 head, eager
-        mfu = float(results["cuda"][0]["MFU"].split("%")[0])
-        values["mfu_percent"] = mfu
-        ok &= mfu >= 45
-        if not peak:
-            lines.append("this GPU's peak FLOP/s unknown: bench.py's H100 figure")
-        lines.append("- sft.py's step, GPT-2 124M bf16 (target MFU >= 45%):")
-        for r in results["cuda"]:
-            how = f"{r['LM head']} head, {'compiled' if r['compiled'] else 'eager'}"
-            values[f"mfu {how}"] = r["MFU"]
-            tokens = f"{r['train tok/s']:,.0f} tokens/s, {r['train B x T']}"
-            lines.append(f"  - {how}: MFU {r['MFU']}, {tokens}")
-        row = results["cuda"][0]
-        shape = row["rollout B x (prompt+new)"]
-        lines.append(f"- rollout {shape}: {row['rollout tok/s']:,.0f} tokens/s")
-    for row in results["generate"]:
-        ratio = row["ours/HF"]
-        values[f"generate {row['preset']}"] = ratio
-        ok &= ratio >= 3
-        shape = f"{row['preset']} {row['dtype']} {row['B x (prompt+new)']}"
-        speeds = f"ours {row['ours tok/s']:,.0f} tokens/s, HF generate {row['HF tok/s']:,.0f}"
-        spread = f"{ratio:.2f}x ({row['ours/HF range']}; target >= 3x)"
-        lines.append(f"- sampling, {shape}: {speeds}: {spread}")
-    for row in results["forward"]:
-        shape = f"{row['preset']} {row['dtype']}"
-        lines.append(f"- forward+backward, {shape}: ours / HF {row['ours/HF']:.2f}x")
-    lines.append("- not run: the peer benchmark against TRL (experiments/peer_bench.py, own venv)")
-    return ok if ctx.cuda else None, lines, values
+        commands.append(compiled)
+    lines = [f"`python experiments/bench.py {' '.join(map(str, c))}`" for c in commands]
+    for section in ("cuda", "forward", "generate"):
+        if results.get(section):
+            lines += ["", *bench_table(results[section])]
+    lines.append("not run: the peer benchmark against TRL (experiments/peer_bench.py, own venv)")
+    values = {"sampling ours/HF": [row["ours/HF"] for row in results["generate"]]}
+    if not ctx.cuda:
+        return None, lines, values
+    # the default step: the fp32 head, eager
+    values["mfu_percent"] = float(results["cuda"][0]["MFU"].split("%")[0])
+    ok = values["mfu_percent"] >= 45 and min(values["sampling ours/HF"]) >= 3
+    lines.append("pass: the default step's MFU >= 45%, sampling ours / HF >= 3x")
+    return ok, lines, values
 
 
 def item_tests(ctx):
@@ -576,46 +560,6 @@ def run_item(ctx, item):
     return dict(status=status, seconds=round(time.time() - t0), lines=lines, values=values)
 
 
-def run_groups(ctx, items):
-    """--jobs: items in groups balanced by COST, each group a child gpu_check in out/<group>,
-    side by side; their report entries, in the order of items."""
-    groups = [[] for _ in range(min(ctx.args.jobs, len(items)))]
-    # the costliest first, each to the group with the least so far
-    for item in sorted(items, key=COST.get, reverse=True):
-        loads = [sum(COST[i] for i in group) for group in groups]
-        groups[loads.index(min(loads))].append(item)
-    children = []
-    for group in groups:
-        name = "_".join(group)
-        out = os.path.join(ctx.out, name)
-        left = 0 if ctx.end == math.inf else max(1, int(ctx.end - time.time()))
-        args = asdict(ctx.args) | dict(items=",".join(group), out=out, jobs=1, deadline=left)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "items", json.dumps(args)]
-        log = open(os.path.join(ctx.out, "logs", f"{name}.log"), "w")
-        print(f"  started {','.join(group)} (log: {log.name})", flush=True)
-        child = subprocess.Popen(cmd, env=ctx.env, stdout=log, stderr=log)
-        children.append((group, out, child))
-    entries = {}
-    for group, out, child in children:
-        # each child stops its own runs at the deadline; one that hangs is killed a minute on
-        timeout = max(1, ctx.end - time.time() + 60) if ctx.end < math.inf else None
-        try:
-            child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(child.pid)
-            child.wait()
-        path = os.path.join(out, "report.json")
-        done = {}
-        if os.path.isfile(path):
-            with open(path) as f:
-                done = json.load(f)["items"]
-        for item in group:
-            missing = dict(status="FAIL", seconds=0, lines=[f"FAILED: no report ({out})"])
-            entries[item] = done.get(item) or missing | dict(values={})
-            print(f"\n== {item} (in {out})\n" + "\n".join(entries[item]["lines"]), flush=True)
-    return {item: entries[item] for item in items}
-
-
 def write_report(out, head, args, report):
     """report.md and report.json in out: written after every item, so a stopped run keeps
     them. Returns the summary table's lines."""
@@ -666,24 +610,13 @@ def main(args: Args):
     commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
     head = f"gpu_check: {machine}; torch {torch.__version__}; commit {commit}"
     print(f"{head}\n`{' '.join(sys.argv)}`", flush=True)
-    alone = items
-    if args.jobs > 1:
-        alone = [i for i in items if i in TIMED]
     report = {}
-    for item in alone:
+    for item in items:
         report[item] = run_item(ctx, item)
-        write_report(out, head, args, report)
-    if len(alone) < len(items):
-        report |= run_groups(ctx, [i for i in items if i not in alone])
-    report = {item: report[item] for item in items}
-    summary = write_report(out, head, args, report)
+        summary = write_report(out, head, args, report)
     print("\n" + "\n".join(summary) + f"\n\nwritten to {out}/report.md and .json")
     sys.exit(1 if any(r["status"] == "FAIL" for r in report.values()) else 0)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:3] == ["--child", "items"]:
-        # a group of --jobs, with the parent's Args
-        main(Args(**json.loads(sys.argv[3])))
-    else:
-        main(tyro.cli(Args))
+    main(tyro.cli(Args))

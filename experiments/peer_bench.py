@@ -50,10 +50,6 @@ GRPO_BETAS = (0.0, 0.03)
 EVAL_ROWS = 16
 # --eval_every: no evaluation inside the timed steps
 NEVER = 10**9
-SAME = "the --dtype (fp32 by default), fused AdamW, no gradient checkpointing, grad-norm clip 1.0"
-SAME += ", a log row every step, micro-batch = batch (no accumulation), learning rate 1e-5"
-DIFFERENT = "learning-rate schedules and Adam betas (no effect on speed); peak RSS is the whole"
-DIFFERENT += " process: TRL's also holds transformers, datasets and accelerate"
 
 
 @dataclass
@@ -385,19 +381,17 @@ def run_section(section, preset, model_dir, args, tmp, env):
     common += flags(eval_every=NEVER, eval_size=EVAL_ROWS, log_every=1)
     notes, comps = comparisons(section, p, steps, tokens_per_row, common)
     if args.compare_gemm:
-        # each of our runs again on torch's default GEMMs, in the same turns
-        seen = set()
+        # each of our runs again on torch's default GEMMs, in the same turns; the lever alone
         for c in list(comps):
-            ours = c["ours"]
-            mkl = dict(ours, tag=f"{ours['tag']}-mkl", env=dict(GPT2_CPU_GEMM="mkl"))
-            label = f"{c['label']} [ours on MKL]"
+            mkl = dict(c["ours"], tag=c["ours"]["tag"] + "-mkl", env=dict(GPT2_CPU_GEMM="mkl"))
             comps.append(
-                comparison(label, c["unit"], c["units"], mkl, c["trl"], "GPT2_CPU_GEMM=mkl")
+                comparison(c["label"] + " [ours on MKL]", c["unit"], c["units"], mkl, c["trl"])
             )
-            if ours["tag"] not in seen:
-                seen.add(ours["tag"])
-                lever = f"{ours['script']} oneDNN / MKL"
-                comps.append(comparison(lever, c["unit"], c["units"], ours, mkl, "the lever alone"))
+            lever = comparison(
+                f"{c['ours']['script']} oneDNN / MKL", c["unit"], c["units"], c["ours"], mkl
+            )
+            if lever["label"] not in [x["label"] for x in comps]:
+                comps.append(lever)
     # the distinct runs of the section (dpo.py's serves both TRL modes), in a fixed order
     runs = {}
     where = dict(data=data_dir, model=model_dir, split=split, dtype=args.dtype)
@@ -405,8 +399,7 @@ def run_section(section, preset, model_dir, args, tmp, env):
         for spec in (c["ours"], c["trl"]):
             if spec["tag"] not in runs:
                 runs[spec["tag"]] = dict(spec, tag=f"{preset}-{spec['tag']}", **where)
-    print(f"\n-- {preset} {section}: {steps} steps per run, the first {warmup} untimed; ", end="")
-    print(f"{args.turns} turns", flush=True)
+    print(f"\n-- {preset} {section}: {args.turns} turns of {steps} steps, {warmup} untimed")
     for note in notes + [f"{c['label']}: {c['note']}" for c in comps if c["note"]]:
         print(f"   differences: {note}", flush=True)
     done = {tag: [] for tag in runs}
@@ -431,27 +424,22 @@ def run_section(section, preset, model_dir, args, tmp, env):
         ratios = [b["step_s"] / a["step_s"] for a, b in zip(ours, trl)]
         ours_s = statistics.median(r["step_s"] for r in ours)
         trl_s = statistics.median(r["step_s"] for r in trl)
-        row = dict(preset=preset, label=c["label"], unit=c["unit"], notes=notes)
-        if c["note"]:
-            row["notes"] = notes + [c["note"]]
-        row |= dict(ratios=ratios, ratio=statistics.median(ratios))
-        row |= dict(lo=min(ratios), hi=max(ratios))
+        row = dict(preset=preset, label=c["label"], unit=c["unit"], notes=notes, runs=ours + trl)
+        row |= dict(ratios=ratios, ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios))
         row |= dict(ours=c["units"] / ours_s, trl=c["units"] / trl_s)
         row["rss_ours"] = statistics.median(r["rss_mb"] for r in ours)
         row["rss_trl"] = statistics.median(r["rss_mb"] for r in trl)
-        row["runs"] = ours + trl
         rows.append(row)
         per_turn = " ".join(f"{r:.2f}" for r in ratios)
-        summary = f"median {row['ratio']:.2f} (range {row['lo']:.2f}-{row['hi']:.2f})"
-        print(f"   {c['label']}: ours/TRL {c['unit']} per turn {per_turn} -> {summary}", flush=True)
+        print(f"   {c['label']}: ours/TRL per turn {per_turn} -> {row['ratio']:.2f}", flush=True)
     return rows
 
 
 def print_summary(summary):
-    print(
-        "\n| shape | comparison | ours | TRL | ours / TRL, median (range) | peak RSS ours / TRL |"
+    header = (
+        "| shape | comparison | ours | TRL | ours / TRL, median (range) | peak RSS ours / TRL |"
     )
-    print("|---|---|---|---|---|---|")
+    print(f"\n{header}\n|---|---|---|---|---|---|")
     shapes = {"tiny": "tiny (0.8M)", "gpt2": "GPT-2 124M shape"}
     for r in summary:
         ratio = f"{r['ratio']:.2f} ({r['lo']:.2f}–{r['hi']:.2f})"
@@ -491,14 +479,10 @@ def main(args: Args):
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
-    versions += f", trl {trl.__version__}"
+    print(f"{versions}, trl {trl.__version__}; {os.cpu_count()} CPUs", flush=True)
     threads = env.get("OMP_NUM_THREADS", "unset")
-    gemm = (
-        f"{'oneDNN' if gpt2.ONEDNN else 'MKL'} (GPT2_CPU_GEMM={env.get('GPT2_CPU_GEMM', 'auto')})"
-    )
-    print(f"{versions}; {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}", flush=True)
-    print(f"our fp32 CPU GEMMs: {gemm}, TRL's: MKL", flush=True)
-    print(f"both sides: {SAME}; differences: {DIFFERENT}", flush=True)
+    gemm = "oneDNN" if gpt2.ONEDNN else "MKL"
+    print(f"OMP_NUM_THREADS={threads}; our fp32 CPU GEMMs: {gemm}, TRL's: MKL", flush=True)
     meta = data.load_meta("arithmetic")
     tmp = tempfile.mkdtemp(prefix="peer_bench_")
     summary = []
@@ -506,10 +490,7 @@ def main(args: Args):
         for preset in presets:
             model_dir = os.path.join(tmp, f"model-{preset}")
             diff = build_model(preset, meta["vocab_size"], meta["eos_token_id"], model_dir)
-            print(
-                f"\n==== {preset}: a random init saved in the HF layout; max |logit diff|", end=""
-            )
-            print(f" gpt2.py vs GPT2LMHeadModel on it: {diff:.1e}", flush=True)
+            print(f"\n==== {preset}: max |logit diff| of gpt2.py and HF's GPT-2: {diff:.1e}")
             if diff > 1e-3:
                 raise RuntimeError(f"{preset}: gpt2.py and transformers disagree ({diff:.2e})")
             for section in sections:
@@ -522,8 +503,7 @@ def main(args: Args):
     print_summary(summary)
     if args.out:
         with open(args.out, "w") as f:
-            out = dict(args=vars(args), same=SAME, different=DIFFERENT, summary=summary)
-            json.dump(out, f, indent=1)
+            json.dump(dict(args=vars(args), summary=summary), f, indent=1)
         print(f"wrote {args.out}")
 
 
