@@ -87,9 +87,8 @@ def first_update_advantages(scores, mask, lam=0.95):
 
 
 def policy_loss(new_logprobs, logprobs, advantages, cliprange):
-    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss; all (B,
-    T). Returns the losses, the ratios and where the clipped term was the larger loss
-    (clipfrac)."""
+    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss; all
+    (B, T). Returns the losses, the ratios, and where the clipped term was the larger."""
     ratio = torch.exp(new_logprobs - logprobs)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
@@ -97,14 +96,10 @@ def policy_loss(new_logprobs, logprobs, advantages, cliprange):
 
 
 def logprobs(model, b, temperature):
-    """Log-probs (B, Tr) of the sampled response tokens under softmax(logits /
-    temperature)."""
-    logits = model(
-        b["query_response"],
-        attention_mask=b["attention_mask"],
-        keep_from=b["context_length"] - 1,
-    )[:, :-1]
-    logp = (logits / temperature).log_softmax(-1)
+    """Log-probs (B, Tr) of the sampled response tokens under softmax(logits / T)."""
+    keep_from = b["context_length"] - 1
+    logits = model(b["query_response"], attention_mask=b["attention_mask"], keep_from=keep_from)
+    logp = (logits[:, :-1] / temperature).log_softmax(-1)
     return logp.gather(-1, b["response"][..., None]).squeeze(-1)
 
 
@@ -195,15 +190,13 @@ def rollouts(policy, args, meta, seed):
     idx = order[: args.batch_size]
     noise = torch.rand(len(idx), args.response_length, generator=gen)
     query = torch.from_numpy(prompts["query"][idx]).long()
-    rollout = gpt2.generate(
-        policy, query, pad, args.response_length, meta["eos_token_id"], args.temperature, noise
-    )
+    eos, n = meta["eos_token_id"], args.response_length
+    rollout = gpt2.generate(policy, query, pad, n, eos, args.temperature, noise)
     response, mask = rollout.response, rollout.mask  # (B, Tr) each
     scores = score(args, meta, prompts, idx, response, gen)
     if scores.std() == 0:
-        n = len(scores)
         fix = "pass --reward random or a larger --batch_size"
-        raise gpt2.RunError(f"all {n} rewards are {scores[0]:g}: {fix}")
+        raise gpt2.RunError(f"all {len(scores)} rewards are {scores[0]:g}: {fix}")
     accuracy = scores.mean().item() if args.reward == "verifier" else None
     # a normalised reward model's scores (mean 0, std 1)
     scores = (scores - scores.mean()) / scores.std()
@@ -348,12 +341,11 @@ def plot_sweep(plt, prefix, results):
             y = [statistics.median(r) for r in per_seed]
             style = dict(fmt="o-", ms=5) if len(eps) > 1 else dict(fmt="*", ms=14)
             line = ax.plot(x, y, style["fmt"], ms=style["ms"], label=res["label"])[0]
-            lo = [min(r) for r in per_seed]
-            hi = [max(r) for r in per_seed]
-            ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2)
-            mark_x = [x[i] for i in at]
-            mark_y = [y[i] for i in at]
-            ax.plot(mark_x, mark_y, "s", color=line.get_color(), ms=11, mfc="none")
+            spread = ([min(r) for r in per_seed], [max(r) for r in per_seed])
+            ax.fill_between(x, spread[0], spread[1], color=line.get_color(), alpha=0.2)
+            # a square at lm-human-preferences' eps
+            marks = ([x[i] for i in at], [y[i] for i in at])
+            ax.plot(marks[0], marks[1], "s", color=line.get_color(), ms=11, mfc="none")
     ylabels = ("approxkl after one step", "mean |θ - θ0| after one step")
     for ax, ylabel in zip(axes, ylabels):
         xlabel = "d = (eps / sqrt(1 - β2)) / median |g|"
@@ -404,12 +396,10 @@ def plot(prefix, results):
 
 
 def main(args: Args):
-    # fail before the work, not after it
+    overlays = []
     for path in args.overlay:
         if not os.path.isfile(path):
             raise gpt2.RunError(f"--overlay {path}: no such file (write it with --out)")
-    overlays = []
-    for path in args.overlay:
         with open(path) as f:
             overlays.append(json.load(f))
     if not args.seeds:
@@ -419,9 +409,6 @@ def main(args: Args):
         if args.plot:
             plot(args.plot, overlays)
         return
-    if args.model.startswith("random:") and args.reward == "verifier":
-        note = "a random init rarely solves the task: if all rewards are equal"
-        print(f"note: {note}, pass --reward random")
     meta = data.load_meta(args.data)
     if args.reward == "verifier" and meta.get("task") not in ("arithmetic", "gsm8k"):
         raise gpt2.RunError(f"--data {args.data} has no verifier: pass --reward random")

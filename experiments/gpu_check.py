@@ -9,19 +9,19 @@ Items (`--items` picks some; a failed item is reported and the next one runs):
              1-GPU run's checkpoint resumes on 2 GPUs and on the CPU
   speed      bench.py's cuda, forward, generate: sft.py's MFU (target >= 45%), sampling
              against HF generate (target >= 3x)
-  tests      the suite, pytest -v; tests/test_cuda.py has the bf16 parity checks
 
     python experiments/gpu_check.py                          # everything
     python experiments/gpu_check.py --items attention,ranks  # some items
     python experiments/gpu_check.py --device cpu             # a dry run on CPU
 
-A 15-minute lease in one call: speed alone first (it times the GPU), then the rest side by
-side, each stopped --deadline seconds after its start (the report is rewritten after each
-item, so what finished is kept):
+A 15-minute lease in one call: speed alone first (it times the GPU), then the rest and the
+test suite side by side (tests/conftest.py gives the GPU to tests/test_cuda.py only: its bf16
+parity checks), each stopped --deadline seconds after its start; a report is rewritten after
+each item, so what finished is kept:
 
     D=runs/gpu_check/lease; python experiments/gpu_check.py --items speed --out $D/speed \\
-        --deadline 120; for i in smoke,attention ranks tests; do python \\
-        experiments/gpu_check.py --items $i --out $D/$i --deadline 380 & done; wait
+        --deadline 120; for i in smoke,attention ranks; do python experiments/gpu_check.py \\
+        --items $i --out $D/$i --deadline 380 & done; timeout 380 pytest -v -n 6 tests; wait
 
 Without CUDA it runs the attention item's CPU sanity check only; --device cpu runs every item
 on CPU (gloo ranks for GPUs, tiny shapes). The report goes to stdout and to --out (default
@@ -30,11 +30,9 @@ runs/gpu_check/<time>/report.{md,json}); exit status 1 when an item fails.
 
 import contextlib
 import glob
-import importlib.util
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -57,7 +55,7 @@ sys.path.insert(0, ROOT)
 
 import gpt2  # noqa: E402
 
-ITEMS = ("smoke", "attention", "ranks", "speed", "tests")
+ITEMS = ("smoke", "attention", "ranks", "speed")
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
 # dense bf16 peak FLOP/s by device name, the first match wins (for bench.py's MFU)
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
@@ -76,7 +74,6 @@ class Args:
     attn_tol: float = 0.05  # attention: largest relative L2 difference of bf16 gradients
     timeout: int = 3600  # seconds any one subprocess may run
     deadline: int = 0  # seconds from the start after which no run starts (0: none)
-    test_workers: int = 6  # tests: pytest-xdist workers (when pytest-xdist is installed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -508,29 +505,6 @@ def item_speed(ctx):
     ok = values["mfu_percent"] >= 45 and min(values["sampling ours/HF"]) >= 3
     lines.append("pass: the default step's MFU >= 45%, sampling ours / HF >= 3x")
     return ok, lines, values
-
-
-def item_tests(ctx):
-    """The suite, every test's outcome streamed to the log (-v), so a run that the deadline
-    stops still reports the tests that finished."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests"]
-    if importlib.util.find_spec("xdist") is not None and ctx.args.test_workers > 1:
-        cmd += ["-n", str(ctx.args.test_workers)]
-    rc, output = run(ctx, "tests/pytest", cmd, check=False)
-    outcomes = {}
-    for line in output.splitlines():
-        test = re.search(r"(tests/\S+::\S+)", line)
-        word = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", line)
-        if test and word:
-            outcomes[test.group(1)] = word.group(1)
-    words = list(outcomes.values())
-    shown = ", ".join(f"{words.count(w)} {w.lower()}" for w in sorted(set(words)))
-    line = f"`python {' '.join(cmd[1:])}`: exit {rc}; {shown or 'no test finished'}"
-    total = re.search(r"(?:collected|\[)\s*(\d+) items", output)
-    if total and int(total.group(1)) > len(outcomes):
-        line += f"; {int(total.group(1)) - len(outcomes)} not run"
-    lines = [line] + [f"- {w}: {t}" for t, w in outcomes.items() if w in ("FAILED", "ERROR")]
-    return rc == 0, lines, dict(rc=rc, outcomes=outcomes)
 
 
 # ---------------------------------------------------------------------------------------
