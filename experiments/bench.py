@@ -38,6 +38,9 @@ import gpt2  # noqa: E402
 SECTIONS = ("forward", "generate", "cuda")
 # the LM head's GEMM: gpt2.py's default, TF32 tensor cores, bf16
 HEADS = ("fp32", "tf32", "bf16")
+# dense bf16 peak FLOP/s by device name, the first match wins (for the MFU)
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
+PEAK_FLOPS += [("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12)]
 
 
 @dataclass
@@ -52,7 +55,7 @@ class Args:
     new_tokens: int = 32  # generate: tokens sampled per prompt
     repeats: int = 7  # timed turns per variant after one warmup call; medians are reported
     min_time: float = 0.3  # seconds one timed turn lasts at least (short calls are looped)
-    peak_flops: float = 989e12  # cuda: the GPU's dense bf16 peak FLOP/s (989e12: H100 SXM)
+    peak_flops: float = 0.0  # cuda: dense bf16 peak FLOP/s; 0: PEAK_FLOPS by name, else H100's
     mfu_shape: str = "16x1024"  # cuda: B x T of the training step
     rollout_shape: str = "256x128x128"  # cuda: prompts x prompt length x new tokens
     seed: int = 0  # seed for weights, inputs and sampling
@@ -231,16 +234,10 @@ def sampler(model, query, pad, n, sample=True, ctx=None):
         with ctx or nullcontext():
             if isinstance(model, gpt2.GPT):
                 return gpt2.generate(model, query, pad, n, None, float(sample)).response
-            how = dict(do_sample=False)
+            how = dict(input_ids=query, attention_mask=(query != pad).long(), do_sample=sample)
             if sample:
-                how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-            out = model.generate(
-                input_ids=query,
-                attention_mask=(query != pad).long(),
-                max_new_tokens=n,
-                pad_token_id=pad,
-                **how,
-            )
+                how |= dict(temperature=1.0, top_k=0, top_p=1.0)
+            out = model.generate(**how, max_new_tokens=n, pad_token_id=pad)
         # both must sample exactly B x n tokens
         if out.shape[1] != query.shape[1] + n:
             raise RuntimeError(f"HF generated {out.shape[1] - query.shape[1]} tokens, not {n}")
@@ -286,6 +283,8 @@ def bench_cuda(args, device, sync):
     tokens/s (the default head)."""
     B, T = parse_shape(args.mfu_shape, 2, "mfu_shape")
     Bq, Tq, n = parse_shape(args.rollout_shape, 3, "rollout_shape")
+    gpu = torch.cuda.get_device_name()
+    peak = args.peak_flops or next((f for key, f in PEAK_FLOPS if key in gpu), 989e12)
     torch.manual_seed(args.seed)
     model = gpt2.GPT(config("gpt2")).to(device)
     cfg = model.config
@@ -334,7 +333,7 @@ def bench_cuda(args, device, sync):
         row = {"LM head": head, "train B x T": f"{B}x{T}", "compiled": args.compile}
         row["step ms"] = secs[head] * 1e3
         row["train tok/s"] = B * T / secs[head]
-        row["MFU"] = f"{flops / secs[head] / args.peak_flops:.1%} of {args.peak_flops:.3g}"
+        row["MFU"] = f"{flops / secs[head] / peak:.1%} of {peak:.3g}"
         if head != "fp32":
             row |= speedup(times, head, "fp32", "vs fp32 head")
         rows.append(row)

@@ -60,10 +60,8 @@ class Args:
     steps: int = 0  # optimizer steps per run, warmup included (0: the preset's)
     warmup: int = 0  # untimed first steps per run, at least 1 (0: the preset's)
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: autocast on both sides
-    threads: int = 0  # OMP_NUM_THREADS of every run (0: inherit this process's environment)
     out: str = ""  # also write every run's numbers to this JSON file
     timeout: float = 600.0  # seconds after which one run is killed (the benchmark stops)
-    keep: bool = False  # keep the temporary dir (models, datasets, logs) and print its path
     compare_gemm: bool = False  # also run ours with GPT2_CPU_GEMM=mkl in the same turns
 
 
@@ -72,8 +70,7 @@ class Args:
 
 
 def write_result(spec, ends, lengths):
-    """The step-end times and the mean tokens per sampled response (None: nothing
-    sampled)."""
+    """The step-end times and the mean tokens per response (None: nothing sampled)."""
     length = statistics.mean(lengths) if lengths else None
     with open(spec["result"], "w") as f:
         json.dump(dict(ends=ends, response_length=length), f)
@@ -474,8 +471,6 @@ def main(args: Args):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env |= dict(TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1")
     env["PYTHONWARNINGS"] = "ignore"
-    if args.threads:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
@@ -496,10 +491,7 @@ def main(args: Args):
             for section in sections:
                 summary += run_section(section, preset, model_dir, args, tmp, env)
     finally:
-        if args.keep:
-            print(f"\nkept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     print_summary(summary)
     if args.out:
         with open(args.out, "w") as f:
