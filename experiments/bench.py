@@ -14,7 +14,6 @@ range. Weights are random: speed does not depend on them.
 
     python experiments/bench.py  # forward, generate (and cuda on a GPU): minutes on 2 cores
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
-    python experiments/bench.py --sections generate --presets tiny --repeats 3  # seconds
 """
 
 import json

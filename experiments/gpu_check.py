@@ -1,5 +1,4 @@
-"""The GPU acceptance check: what a machine with GPUs runs first (issues 27 and 28), in one
-command that prints one report.
+"""The GPU acceptance check (issues 27 and 28): what a machine with GPUs runs first.
 
 Items (`--items` picks some; a failed item is reported and the next one runs):
   smoke      `python pipeline.py --smoke`, then every script for 3 steps on all N GPUs
@@ -8,17 +7,16 @@ Items (`--items` picks some; a failed item is reported and the next one runs):
   ranks      every script at 1 and 2 GPUs: fp32 within 1e-5, bf16 within --bf16_tol; the
              1-GPU run's checkpoint resumes on 2 GPUs and on the CPU
 
-    python experiments/gpu_check.py                          # everything
-    python experiments/gpu_check.py --items attention,ranks  # some items
-    python experiments/gpu_check.py --device cpu             # a dry run on CPU
+    python experiments/gpu_check.py               # every item
+    python experiments/gpu_check.py --device cpu  # a dry run on CPU
 
 A 15-minute lease in one call: the speed benchmark alone first (it times the GPU; targets:
 MFU >= 45%, sampling >= 3x HF's), then the items and the test suite side by side
 (tests/conftest.py gives the GPU to tests/test_cuda.py only: its bf16 parity checks), each
 stopped after --deadline seconds; a report is rewritten after each item:
 
-    D=runs/gpu_check/lease; B="python experiments/bench.py --presets gpt2 --sections cuda"
-    $B,forward,generate --out $D/bench.json; $B --compile --out $D/bench_compiled.json
+    D=runs/gpu_check/lease; mkdir -p $D; B="python experiments/bench.py --sections cuda"
+    $B,forward,generate --presets gpt2 --out $D/bench.json; $B --compile --out $D/bc.json
     for i in smoke,attention ranks; do python experiments/gpu_check.py --items $i \\
         --out $D/$i --deadline 380 & done; timeout 380 pytest -v -n 6 tests; wait
 

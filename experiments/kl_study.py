@@ -10,7 +10,6 @@ OUT_DIR/results.md and, with matplotlib, a plot of KL against beta to OUT_DIR/kl
 Each run is `python grpo.py ... --out_dir OUT_DIR/<estimator>_beta<beta>`; a finished run
 with the same flags is reused.
 
-    python experiments/kl_study.py  # from runs/sft/latest (what `python sft.py` links)
     python experiments/kl_study.py --grpo_args="--seed 2" --out_dir runs/kl_study_seed2
     python experiments/kl_study.py --estimators k1 k3 --betas 0 0.1 --total_episodes 512 \\
         --grpo_args="--eval_size 16" --out_dir /tmp/kl_smoke  # a smoke run: 2 steps each
@@ -118,8 +117,8 @@ def main(args: Args):
             run_once(args, run_dir, grpo_flags(args, est, beta))
             results[est, beta] = summarize(run_dir, args.last)
     acc0 = next(iter(results.values()))["acc0"]
-    print(f"\nfinal objective/kl (k3 per token, mean of the last {args.last} steps)")
-    print(f"and greedy eval accuracy (start {acc0:.3f})\n")
+    kl = f"final objective/kl (k3 per token, mean of the last {args.last} steps)"
+    print(f"\n{kl} and greedy eval accuracy (start {acc0:.3f})\n")
     lines = ["| estimator | beta | objective/kl | objective/scores | eval/accuracy |"]
     lines.append("|---|---|---|---|---|")
     for (est, beta), r in results.items():

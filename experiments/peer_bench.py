@@ -17,7 +17,6 @@ docs/benchmarks.md. It needs TRL in a venv of its own, where our scripts run too
     /work/peer-venv/bin/pip install -r experiments/requirements-peer.txt
     /work/peer-venv/bin/python experiments/peer_bench.py  # all: ~8 min on 2 quiet cores
     /work/peer-venv/bin/python experiments/peer_bench.py --turns 1 --steps 3 --warmup 1
-    /work/peer-venv/bin/python experiments/peer_bench.py --compare_gemm  # + ours on MKL
 """
 
 import json
