@@ -1,128 +1,75 @@
-"""The GPU acceptance check: what a machine with GPUs runs first (issues 27 and 28), in one command
-that prints one report.
+"""The GPU acceptance check (issues 27 and 28): what a machine with GPUs runs first.
 
 Items (`--items` picks some; a failed item is reported and the next one runs):
-  smoke      `python pipeline.py --smoke`, then every script for 3 steps under torchrun at every
-             GPU count 1..N
-  attention  GPT-2 124M forward + backward with left-padded masks at T = 192, 320, 704: gpt2.py's
-             SDPA backends against cuDNN forced, gradients finite and in agreement; then one SDPA
-             call built to hit pytorch#196678 (a padded row's logsumexp below -88.7)
-  parity     bf16 on nccl: GRPO's first minibatch at one epoch and one minibatch is on-policy
-             (val/ratio_var = policy/approxkl_avg = 0) and DPO's first loss is ln 2, with the fp32
-             LM head (the default) and with GPT2_FP32_HEAD=0
-  ranks      1 vs 2 GPUs, every script's final weights: fp32 within 1e-5, bf16 within --bf16_tol
-  resume     a checkpoint saved on 1 GPU resumes under torchrun on 2 GPUs and on the CPU
-  speed      experiments/bench.py --sections cuda,forward,generate: the sft-like MFU of GPT-2 124M
-             in bf16 (target >= 45%) and sampling tokens/s against HF generate (target >= 3x)
-  memory     torch.cuda.max_memory_allocated of each script at gpt2-large, 256-token responses,
-             micro-batch 8 (random init, synthetic data), and the largest preset each one fits
-  profile    gpt2.generate under FSDP2 in torch.profiler: FSDP hook calls and host syncs per token
-             and their share of the time, against a generation that does not gather once
-  tests      the test suite (pytest -v, spread over --test_workers by pytest-xdist if installed):
-             tests/conftest.py hides the GPUs from every test but tests/test_cuda.py, so a second
-             run with CUDA_VISIBLE_DEVICES= would differ only in test_cuda.py's skips
+  smoke      `python pipeline.py --smoke`, then every script for 3 steps on all N GPUs
+  attention  GPT-2 124M forward + backward, left-padded: gpt2.py's SDPA backends against
+             cuDNN forced; then one SDPA call built to hit pytorch#196678
+  ranks      every script at 1 and 2 GPUs: fp32 within 1e-5, bf16 within --bf16_tol; the
+             1-GPU run's checkpoint resumes on 2 GPUs and on the CPU
 
-    python experiments/gpu_check.py                          # everything, every GPU count
-    python experiments/gpu_check.py --items attention,parity # some items
-    python experiments/gpu_check.py --device cpu             # a dry run of every item on CPU
-    python experiments/gpu_check.py --jobs 3 --deadline 500  # a 15-minute lease: one call
+    python experiments/gpu_check.py               # every item
+    python experiments/gpu_check.py --device cpu  # a dry run on CPU
 
---jobs N runs the timed items (speed, profile) first and alone, then the others side by side in N
-groups, each a child gpu_check with its own folder under --out. --deadline stops every run at that
-many seconds from the start; the report is written after each item, so what finished is kept.
+A 15-minute lease in one call: the speed benchmark alone first (it times the GPU; targets:
+MFU >= 45%, sampling >= 3x HF's), then the items and the test suite side by side
+(tests/conftest.py gives the GPU to tests/test_cuda.py only: its bf16 parity checks), each
+stopped after --deadline seconds; a report is rewritten after each item:
 
-Without CUDA (and without --device cpu) it says so, runs the attention item's CPU sanity check (the
-math kernel against gpt2.py's choice, a small model) and stops. --device cpu runs every item's code
-on CPU (gloo ranks for GPUs, tiny shapes): it checks the paths, not the GPU. The report goes to
-stdout and, with every run's log, to --out (default runs/gpu_check/<time>/report.{md,json}). Exit
-status 1 when an item fails.
+    D=runs/gpu_check/lease; mkdir -p $D; B="python experiments/bench.py --sections cuda"
+    $B,forward,generate --presets gpt2 --out $D/bench.json; $B --compile --out $D/bc.json
+    for i in smoke,attention ranks; do python experiments/gpu_check.py --items $i \\
+        --out $D/$i --deadline 380 & done; timeout 380 pytest -v -n 6 tests; wait
+
+Without CUDA it runs the attention item's CPU sanity check only; --device cpu runs every item
+on CPU (gloo ranks for GPUs, tiny shapes). The report goes to stdout and to --out (default
+runs/gpu_check/<time>/report.{md,json}); exit status 1 when an item fails.
 """
 
-import atexit
 import contextlib
 import glob
-import importlib.util
 import json
 import math
 import os
-import re
-import resource
-import runpy
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+# gpt2.py lives at the repository root
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # gpt2.py and data/ live at the repository root
+sys.path.insert(0, ROOT)
 
-import data  # noqa: E402
 import gpt2  # noqa: E402
 
-ITEMS = ("smoke", "attention", "parity", "ranks", "resume", "speed", "memory", "profile", "tests")
-TIMED = ("speed", "profile")  # measured with nothing else on the GPU: first, alone, under --jobs
-# each item's rough relative cost: --jobs balances its groups by them
-COST = dict(smoke=240, attention=10, parity=200, ranks=300, resume=250, memory=600, tests=500)
+ITEMS = ("smoke", "attention", "ranks")
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
-PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the fit search's order
-# dense bf16 peak FLOP/s by device name, the first match wins (for bench.py's MFU)
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
-PEAK_FLOPS += [("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12)]
 
 
 @dataclass
 class Args:
-    items: str = ",".join(ITEMS)
-    """comma-separated items: smoke, attention, parity, ranks, resume, speed, memory, profile,
-    tests"""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    """`auto`: CUDA if there is one, else only the CPU sanity check; `cpu`: a dry run of every item
-    on CPU (gloo ranks for GPUs, tiny shapes)"""
-    out: str = ""
-    """report directory; default runs/gpu_check/<time>"""
-    max_gpus: int = 0
-    """use at most this many GPUs (0: all)"""
-    cpu_ranks: int = 2
-    """--device cpu: gloo ranks stand in for GPU counts up to this"""
-    scripts: str = ",".join(SCRIPTS)
-    """the scripts that the smoke, ranks, resume and memory items run"""
-    bf16_tol: float = 0.05
-    """ranks: the largest bf16 |update_1 - update_2| / |update_1| (L2 over the compared weights;
-    update: the weights' change over the run) between 1 and 2 GPUs"""
-    attn_tol: float = 0.05
-    """attention: the largest relative L2 difference between two backends' bf16 gradients"""
-    memory_nproc: int = 1
-    """memory: GPUs per run (torchrun --nproc_per_node); the batch grows with them"""
-    memory_preset: str = "gpt2-large"
-    """memory: the preset measured first; the fit search goes up or down from it"""
-    response_length: int = 256
-    """memory: response tokens (the data's for sft, dpo and reward; sampled for ppo and grpo)"""
-    fit_search: bool = True
-    """memory: also find the largest preset each script fits at micro-batch 8"""
-    timeout: int = 3600
-    """seconds any one subprocess may run"""
-    deadline: int = 0
-    """seconds from the start after which no run starts and running ones are stopped (0: none)"""
-    jobs: int = 1
-    """groups of untimed items run side by side, after the timed ones (speed, profile) ran alone"""
-    test_workers: int = 6
-    """tests: pytest-xdist workers (when pytest-xdist is installed)"""
+    items: str = ",".join(ITEMS)  # comma-separated, of the items above
+    device: Literal["auto", "cuda", "cpu"] = "auto"  # cpu: a dry run of every item on CPU
+    out: str = ""  # report directory; default runs/gpu_check/<time>
+    cpu_ranks: int = 2  # --device cpu: gloo ranks stand in for GPU counts up to this
+    scripts: str = ",".join(SCRIPTS)  # the scripts that the smoke and ranks items run
+    bf16_tol: float = 0.05  # ranks: largest bf16 |Δ1 - Δ2| / |Δ1| (Δ: the weights' change)
+    attn_tol: float = 0.05  # attention: largest relative L2 difference of bf16 gradients
+    timeout: int = 3600  # seconds any one subprocess may run
+    deadline: int = 0  # seconds from the start after which no run starts (0: none)
 
 
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
 # What the items share: the context, runs of the scripts, their flags, weights and metrics
 
 
@@ -151,33 +98,37 @@ class Ctx:
 
 def launch(script, flags, nproc=0):
     """A script's command: plain python (nproc 0) or torchrun --nproc_per_node=nproc."""
-    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable]
+    if nproc:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     path = script if script.endswith(".py") else os.path.join(ROOT, f"{script}.py")
-    return [sys.executable, *(torchrun if nproc else []), path, *map(str, flags)]
+    return cmd + [path, *map(str, flags)]
 
 
 def run(ctx, name, cmd, env=None, cwd=ROOT, check=True):
-    """Run cmd, its output kept in out/logs/<name>.log: (return code, output); check: raise. It
-    is killed, with every process it started, at --timeout or --deadline."""
+    """Run cmd, its output kept in out/logs/<name>.log: (return code, output); check: raise.
+    It is killed, with every process it started, at --timeout or --deadline."""
     log = os.path.join(ctx.out, "logs", name.replace("/", "_") + ".log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
     timeout = min(ctx.args.timeout, ctx.end - time.time())
     if timeout <= 0:
         raise Failed(f"{name}: not run, --deadline reached")
-    t0, env = time.time(), ctx.env | (env or {})
-    with open(log, "w") as f:  # streamed: a run stopped midway leaves what it printed
+    t0 = time.time()
+    # streamed: a run stopped midway leaves what it printed
+    with open(log, "w") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=f)
+        p = subprocess.Popen(cmd, cwd=cwd, env=ctx.env | (env or {}), stdout=f, stderr=f)
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(p.pid)  # torchrun's ranks too
+            kill_tree(p.pid)
             p.wait()
             f.write(f"\ntimed out after {timeout:.0f} s\n")
             rc = 124
     with open(log) as f:
-        output = f.read().split("\n", 1)[-1]  # less the command line
+        # less the command line
+        output = f.read().split("\n", 1)[-1]
     print(f"  {'ok  ' if rc == 0 else 'FAIL'} {name} ({time.time() - t0:.0f} s)", flush=True)
     if check and rc:
         raise Failed(f"{name} exited {rc}: {last_line(output)} (log: {log})")
@@ -188,16 +139,20 @@ def kill_tree(pid):
     """SIGKILL pid and every process below it, read from /proc: torchrun starts its ranks in
     sessions of their own, out of reach of a process-group kill."""
     for each in [pid, *descendants(pid)]:
-        with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
+        # a process that ended meanwhile
+        with contextlib.suppress(ProcessLookupError):
             os.kill(each, signal.SIGKILL)
 
 
 def descendants(pid):
     """The processes below pid (tests/test_world_sizes.py walks them the same way)."""
     try:
-        tasks = os.scandir(f"/proc/{pid}/task")
-        kids = [int(c) for t in tasks for c in open(f"{t.path}/children").read().split()]
-    except OSError:  # pid ended meanwhile
+        kids = []
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/children") as f:
+                kids += [int(kid) for kid in f.read().split()]
+    except OSError:
+        # pid ended meanwhile
         return []
     return kids + [k for kid in kids for k in descendants(kid)]
 
@@ -220,11 +175,11 @@ def table(header, body):
 
 # per script: a 3-step run on the built-in task, a checkpoint at step 2; global batches of n
 # sequences (pairs; prompts for ppo) or p prompts x 4 samples (grpo); e: 3 steps' episodes
+STEPS = "--micro_batch_size 2 --warmup_steps 1 --total_steps 3"
 FLAGS = {
-    "sft": "--batch_size {n} --micro_batch_size 2 --warmup_steps 1 --total_steps 3",
-    "reward": "--batch_size {n} --micro_batch_size 2 --warmup_steps 1 --total_steps 3 "
-    "--norm_samples {n}",
-    "dpo": "--batch_size {n} --micro_batch_size 2 --warmup_steps 1 --total_steps 3",
+    "sft": f"--batch_size {{n}} {STEPS}",
+    "reward": f"--batch_size {{n}} {STEPS} --norm_samples {{n}}",
+    "dpo": f"--batch_size {{n}} {STEPS}",
     "ppo": "--batch_size {n} --micro_batch_size 2 --num_minibatches 1 --total_episodes {e} "
     "--response_length 4",
     "grpo": "--num_prompts_per_step {p} --num_samples_per_prompt 4 --micro_batch_size 4 "
@@ -234,21 +189,24 @@ FLAGS = {
 
 
 def script_flags(ctx, script, k, eval_size=0):
-    """A short run of script from the stage models; global batch 8 k (grpo: 2 k prompts), so that
-    k ranks take 8 each. sft starts from the stage SFT model too: every run's start is on disk."""
+    """A short run of script from the stage models; global batch 8 k (grpo: 2 k prompts), so
+    that k ranks take 8 each. sft starts from the stage SFT model too: every start is on disk."""
     stage = stage_models(ctx)
     flags = FLAGS[script].format(n=8 * k, p=2 * k, e=24 * k).split()
     flags += ["--eval_size", eval_size, "--eval_every", 2, "--log_every", 1]
     flags += ["--model", stage["sft"]]
-    return flags + (["--reward_model", stage["reward"]] if script == "ppo" else [])
+    if script == "ppo":
+        flags += ["--reward_model", stage["reward"]]
+    return flags
 
 
 def stage_models(ctx):
     """An SFT model and a reward model for the other runs: a few steps each, made once."""
     if not ctx.stage:
-        sft, reward = ctx.dir("stage", "sft"), ctx.dir("stage", "reward")
-        flags = FLAGS["sft"].format(n=16).split() + ["--eval_size", 0]
-        run(ctx, "stage/sft", launch("sft", [*flags, "--out_dir", sft]))
+        sft = ctx.dir("stage", "sft")
+        reward = ctx.dir("stage", "reward")
+        flags = FLAGS["sft"].format(n=16).split() + ["--eval_size", 0, "--out_dir", sft]
+        run(ctx, "stage/sft", launch("sft", flags))
         flags = FLAGS["reward"].format(n=16).split() + ["--eval_size", 0, "--model", sft]
         run(ctx, "stage/reward", launch("reward", [*flags, "--out_dir", reward]))
         ctx.stage.update(sft=sft, reward=reward)
@@ -262,30 +220,32 @@ def scripts(ctx):
     return chosen
 
 
-def first_row_with(out_dir, key):
-    """The first metrics.jsonl row of a run that holds key."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return next(row for row in map(json.loads, f) if key in row)
-
-
-# Parameters whose gradient is 0 in exact arithmetic (tests/test_world_sizes.py): the attention key
-# bias, and under the pairwise reward loss the biases that shift both rewards alike. Adam divides
-# their rounding noise by its own size: they are left out of the comparisons.
+# Parameters whose gradient is 0 in exact arithmetic (tests/test_world_sizes.py): the attention
+# key bias, and under the pairwise reward loss the biases that shift both rewards alike. Adam
+# divides their rounding noise by its own size: they are left out of the comparisons.
 NULL = {"reward": ("transformer.ln_f.bias", "score.bias")}
+
+
+def without_keys(t):
+    """An attention c_attn bias (queries, keys, values) without its keys."""
+    third = t.numel() // 3
+    return torch.cat([t[:third], t[2 * third :]])
 
 
 def weight_diff(out_a, out_b, script, start=None):
     """(max |a - b|, |update_a - update_b| / |update_a|) of two runs' final weights; the relative
     one over the tensors of `start`, the weights both runs began from (nan without it)."""
-    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (out_a, out_b))
+    a = load_file(os.path.join(out_a, "model.safetensors"))
+    b = load_file(os.path.join(out_b, "model.safetensors"))
     w0 = load_file(os.path.join(start, "model.safetensors")) if start else {}
-    worst, num, den = 0.0, 0.0, 0.0
+    worst = 0.0
+    num, den = 0.0, 0.0
     for k in a:
         if k in NULL.get(script, ()):
             continue
         x, y = a[k].double(), b[k].double()
-        if k.endswith("attn.c_attn.bias"):  # queries, keys, values: drop the keys
-            x, y = (torch.cat([t[: t.numel() // 3], t[2 * t.numel() // 3 :]]) for t in (x, y))
+        if k.endswith("attn.c_attn.bias"):
+            x, y = without_keys(x), without_keys(y)
         worst = max(worst, (x - y).abs().max().item())
         if k in w0 and not k.endswith("attn.c_attn.bias"):
             num += (x - y).square().sum().item()
@@ -293,47 +253,38 @@ def weight_diff(out_a, out_b, script, start=None):
     return worst, math.sqrt(num / den) if den else float("nan")
 
 
-@contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def padded_batch(B, T, pad, device, seed=0):
-    """Random tokens (B, T) below pad, row i left-padded with i * T // (2 B) pads; and the mask."""
+    """Random tokens (B, T) below pad, row i left-padded with i * T // (2 B) pads; the mask."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.arange(T)[None, :] >= (torch.arange(B) * T // (2 * B))[:, None]
     idx = torch.randint(0, pad, (B, T), generator=g).masked_fill(~mask, pad)
     return idx.to(device), mask.to(device)
 
 
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
 # The items: each returns (passed: True, False, or None for a measurement; report lines; values)
 
 
 def item_smoke(ctx):
-    """pipeline.py --smoke (one process per stage), then every script under torchrun at 1..N."""
+    """pipeline.py --smoke (one process per stage), then every script under torchrun on all N
+    GPUs (the ranks item runs them at 1 and 2)."""
     work = ctx.dir("smoke")
-    os.makedirs(work)  # the pipeline's runs/ and `latest` links go here, not into the repository
+    # the pipeline's runs/ and `latest` links go here, not into the repository
+    os.makedirs(work)
     cmd = [sys.executable, f"{ROOT}/pipeline.py", "--smoke"]
     rc, output = run(ctx, "smoke/pipeline", cmd, cwd=work, check=False)
-    pipeline = "ok" if rc == 0 else f"FAILED: {last_line(output)}"
-    counts, results, warned = range(1, ctx.gpus + 1), {"pipeline": pipeline}, []
+    results = {"pipeline": "ok" if rc == 0 else f"FAILED: {last_line(output)}"}
+    k = ctx.gpus
+    lines = []
     for script in scripts(ctx):
-        for k in counts:
-            flags = [*script_flags(ctx, script, k, 16), "--out_dir", f"{work}/{script}_{k}"]
-            rc, output = run(ctx, f"smoke/{script}_{k}", launch(script, flags, k), check=False)
-            results[f"{script} x{k}"] = "ok" if rc == 0 else f"FAILED: {last_line(output)}"
-            lines = [line.strip() for line in output.splitlines() if "Warning" in line]
-            warned += [f"{script} x{k}: {line[:200]}" for line in lines[:1]]
-    body = [[s, *(results[f"{s} x{k}"][:80] for k in counts)] for s in scripts(ctx)]
-    lines = [f"`python pipeline.py --smoke`: {pipeline}", ""]
-    lines += table(["script", *(f"torchrun x{k}" for k in counts)], body)
-    lines += [f"warning printed: {w}" for w in warned]
+        flags = [*script_flags(ctx, script, k, 16), "--out_dir", f"{work}/{script}_{k}"]
+        rc, output = run(ctx, f"smoke/{script}_{k}", launch(script, flags, k), check=False)
+        results[script] = "ok" if rc == 0 else f"FAILED: {last_line(output)}"
+        warnings = [line.strip() for line in output.splitlines() if "Warning" in line]
+        lines += [f"warning printed: {script}: {line[:200]}" for line in warnings[:1]]
+    body = [[script, results[script][:80]] for script in scripts(ctx)]
+    head = [f"`python pipeline.py --smoke`: {results['pipeline']}", ""]
+    lines = head + table(["script", f"torchrun x{k}"], body) + lines
     return all(v == "ok" for v in results.values()), lines, results
 
 
@@ -341,10 +292,14 @@ def lse_case(device, backends, T, dtype):
     """pytorch#196678's case in one SDPA call: the padded rows (which see only themselves, as in
     gpt2.py) score -100, a logsumexp below -88.7. 'finite' when grad_q is."""
     g = torch.Generator().manual_seed(T)
-    B, H, hd, pads = 2, 4, 64, T // 2  # row 1: its first half is padding
+    # row 1: its first half is padding
+    B, H = 2, 4
+    hd = 64
+    pads = T // 2
     q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
     k_sq = k[1, :, :pads].square().sum(-1, keepdim=True)
-    q[1, :, :pads] = -k[1, :, :pads] * 100 * math.sqrt(hd) / k_sq  # q.k / sqrt(hd) = -100
+    # so that q.k / sqrt(hd) = -100
+    q[1, :, :pads] = -k[1, :, :pads] * 100 * math.sqrt(hd) / k_sq
     real = torch.ones(B, T, dtype=torch.bool)
     real[1, :pads] = False
     i = torch.arange(T)
@@ -354,7 +309,8 @@ def lse_case(device, backends, T, dtype):
         with sdpa_kernel(backends):
             out = F.scaled_dot_product_attention(q, k, v, attn.to(device))
         out.float().square().sum().backward()
-    except RuntimeError as e:  # no kernel of these backends takes the inputs
+    except RuntimeError as e:
+        # no kernel of these backends takes the inputs
         return f"not available ({str(e).splitlines()[0][:60]})"
     return "finite" if torch.isfinite(q.grad).all() else "NaN"
 
@@ -362,11 +318,14 @@ def lse_case(device, backends, T, dtype):
 def model_grads(model, idx, mask, backends, amp):
     """All parameters' gradients (flat) of the mean next-token loss, with these SDPA backends."""
     model.zero_grad(set_to_none=True)
-    with patched(gpt2, "SDPA_BACKENDS", backends), amp:
-        logits = model(idx, mask)  # (B, T, V)
-        nll = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten(), reduction="none"
-        )
+    ours = gpt2.SDPA_BACKENDS
+    gpt2.SDPA_BACKENDS = backends
+    try:
+        with amp:
+            logits = model(idx, mask)[:, :-1].flatten(0, 1).float()
+            nll = F.cross_entropy(logits, idx[:, 1:].flatten(), reduction="none")
+    finally:
+        gpt2.SDPA_BACKENDS = ours
     (nll * mask[:, 1:].flatten()).sum().div(mask[:, 1:].sum()).backward()
     return torch.cat([p.grad.to_dense().flatten().float() for p in model.parameters()])
 
@@ -374,101 +333,44 @@ def model_grads(model, idx, mask, backends, amp):
 def item_attention(ctx):
     """GPT-2 124M (on CPU a 2-layer model) forward + backward, left-padded, at three lengths with
     gpt2.py's SDPA backends and with cuDNN forced (the math kernel on CPU); then lse_case."""
-    cuda, device = ctx.cuda, ctx.device
+    cuda = ctx.cuda
     small = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=257)
     cfg = gpt2.GPTConfig(**(gpt2.PRESETS["gpt2"] if cuda else small))
-    forced, name = ([SDPBackend.CUDNN_ATTENTION], "cuDNN") if cuda else ([SDPBackend.MATH], "math")
+    forced = [SDPBackend.CUDNN_ATTENTION] if cuda else [SDPBackend.MATH]
+    name = "cuDNN" if cuda else "math"
     amp = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
-    dtype, ours_b = torch.bfloat16 if cuda else torch.float32, gpt2.SDPA_BACKENDS
+    dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
-    model = gpt2.GPT(cfg).to(device)
-    ok, body, values = True, [], {}
+    model = gpt2.GPT(cfg).to(ctx.device)
+    ok = True
+    body, values = [], {}
     for T in (192, 320, 704):
-        idx, mask = padded_batch(4, T, cfg.vocab_size - 1, device, seed=T)
-        ours = model_grads(model, idx, mask, ours_b, amp)
+        idx, mask = padded_batch(4, T, cfg.vocab_size - 1, ctx.device, seed=T)
+        ours = model_grads(model, idx, mask, gpt2.SDPA_BACKENDS, amp)
         ours_finite = bool(torch.isfinite(ours).all())
         try:
             other = model_grads(model, idx, mask, forced, amp)
             finite = "yes" if torch.isfinite(other).all() else "NO (NaN)"
             diff = ((ours - other).norm() / ours.norm()).item()
-        except RuntimeError as e:  # no kernel for these inputs
-            finite, diff = f"not available ({str(e).splitlines()[0][:60]})", float("nan")
-        case = {k: lse_case(device, b, T, dtype) for k, b in (("ours", ours_b), (name, forced))}
+        except RuntimeError as e:
+            # no kernel for these inputs
+            finite = f"not available ({str(e).splitlines()[0][:60]})"
+            diff = float("nan")
+        case = {
+            "ours": lse_case(ctx.device, gpt2.SDPA_BACKENDS, T, dtype),
+            name: lse_case(ctx.device, forced, T, dtype),
+        }
         # gpt2.py's choice must be finite and, where the forced one is finite too, agree with it
         ok &= ours_finite and case["ours"] == "finite" and not diff > ctx.args.attn_tol
-        body.append([T, T % 128, yes(ours_finite), finite, f"{diff:.2e}", case["ours"], case[name]])
+        body.append([T, yes(ours_finite), finite, f"{diff:.2e}", case["ours"], case[name]])
         values[T] = dict(finite=ours_finite, forced=finite, rel_diff=diff, lse_case=case)
-    header = ["T", "T % 128", "gpt2.py: finite", f"{name}: finite", "rel. L2 diff of grads"]
+    header = ["T", "gpt2.py: finite", f"{name}: finite", "rel. L2 diff of grads"]
     lines = table([*header, "lse < -88.7 case: gpt2.py", f"lse case: {name}"], body)
+    precision = "bf16 autocast" if cuda else "fp32"
     lines.append(
-        f"pass: gpt2.py's SDPA choice finite at every T and in the lse case; where {name} is finite"
-        f" too, the gradients agree within --attn_tol {ctx.args.attn_tol} ({cfg.n_layer} layers, "
-        f"{'bf16 autocast' if cuda else 'fp32'})"
-    )
-    return ok, lines, values
-
-
-def item_parity(ctx):
-    """bf16: GRPO's first minibatch on-policy, DPO's first loss ln 2; plain python (autocast) and
-    torchrun on 2 GPUs (FSDP2's bf16 parameters); with and without the fp32 LM head."""
-    sft = stage_models(ctx)["sft"]
-    grpo = "--total_episodes 64 --num_prompts_per_step 8 --num_samples_per_prompt 8 "
-    grpo += "--num_minibatches 1 --num_epochs 1 --beta 0.05"
-    dpo = "--total_steps 1 --batch_size 8 --micro_batch_size 4"
-    common = ["--model", sft, "--eval_size", 0, "--dtype", "bfloat16"]
-    k = min(2, ctx.gpus)
-    ok, body, values = True, [], {}
-    for nproc in (0, k):
-        for head, env in (("fp32", {}), ("GPT2_FP32_HEAD=0", {"GPT2_FP32_HEAD": "0"})):
-            for script, flags in (("grpo", grpo), ("dpo", dpo)):
-                name = f"parity/{script}_{nproc}_{'fp32' if not env else 'nofp32'}"
-                out = ctx.dir(name)
-                cmd = launch(script, [*flags.split(), *common, "--out_dir", out], nproc)
-                run(ctx, name, cmd, env)
-                if script == "grpo":
-                    row = first_row_with(out, "val/ratio_var")
-                    got = {key: row[key] for key in ("val/ratio_var", "policy/approxkl_avg")}
-                    good = all(v == 0 for v in got.values())
-                else:
-                    got = {
-                        "train/loss - ln 2": first_row_with(out, "train/loss")["train/loss"]
-                        - math.log(2)
-                    }
-                    good = abs(got["train/loss - ln 2"]) <= 1e-6
-                ok &= good or bool(env)  # required of the default, the fp32 head
-                shown = ", ".join(f"{key} {v:.3g}" for key, v in got.items())
-                launcher = f"torchrun x{nproc}" if nproc else "python"
-                body.append([script, launcher, head, shown, yes(good)])
-                values[name] = got
-    lines = table(["script", "launch", "LM head", "step 1", "exact"], body)
-    lines.append("pass: exact with the fp32 head (the default); GPT2_FP32_HEAD=0 is measured")
-    return ok, lines, values
-
-
-def item_ranks(ctx):
-    """Each script's final weights at 1 and 2 GPUs (torchrun both), in fp32 and in bf16."""
-    if ctx.gpus < 2:
-        return None, ["needs 2 GPUs: skipped"], {}
-    start = stage_models(ctx)["sft"]
-    ok, body, values = True, [], {}
-    for script in scripts(ctx):
-        res = {}
-        for dtype in ("float32", "bfloat16"):
-            dirs = [ctx.dir("ranks", f"{script}_{dtype}_{k}") for k in (1, 2)]
-            for k, out in zip((1, 2), dirs):
-                flags = [*script_flags(ctx, script, 2), "--dtype", dtype, "--out_dir", out]
-                run(ctx, f"ranks/{script}_{dtype}_{k}", launch(script, flags, k))
-            res[dtype] = weight_diff(*dirs, script, start)
-        good = res["float32"][0] <= 1e-5 and res["bfloat16"][1] <= ctx.args.bf16_tol
-        ok &= good
-        fp32, bf16 = res["float32"], res["bfloat16"]
-        body.append([script, f"{fp32[0]:.2e}", f"{bf16[0]:.2e}", f"{bf16[1]:.2e}", yes(good)])
-        values[script] = res
-    header = ["script", "fp32: max abs diff", "bf16: max abs diff", "bf16: rel. update diff", "ok"]
-    lines = table(header, body)
-    lines.append(
-        f"pass: fp32 within 1e-5; bf16 |Δ1 - Δ2| / |Δ1| <= --bf16_tol {ctx.args.bf16_tol} (Δ: "
-        "the weights' change over the run, L2 over all compared tensors)"
+        f"pass: gpt2.py's SDPA choice finite at every T and in the lse case; where {name} is"
+        f" finite too, the gradients agree within --attn_tol {ctx.args.attn_tol}"
+        f" ({cfg.n_layer} layers, {precision})"
     )
     return ok, lines, values
 
@@ -476,356 +378,78 @@ def item_ranks(ctx):
 def tensors_in(obj):
     if torch.is_tensor(obj):
         return [obj]
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else []
-    return [t for v in items for t in tensors_in(v)]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if not isinstance(obj, list | tuple):
+        return []
+    return [t for v in obj for t in tensors_in(v)]
 
 
-def item_resume(ctx):
-    """A 1-GPU fp32 run's step-2 checkpoint, resumed under torchrun on 2 GPUs and on the CPU: each
-    must end at the uninterrupted run's weights. The checkpoint must hold CPU tensors only."""
-    ok, body, values = True, [], {}
+def cpu_only(checkpoint):
+    """Whether a checkpoint's .pt files (the run's state, its optimizers') hold CPU tensors only."""
+    files = glob.glob(os.path.join(checkpoint, "**", "*.pt"), recursive=True)
+    state = [torch.load(f, "cpu", weights_only=True) for f in files]
+    return all(t.device.type == "cpu" for t in tensors_in(state))
+
+
+def item_ranks(ctx):
+    """Each script at 1 and 2 GPUs (torchrun both), in fp32 and in bf16: the final weights
+    agree. The 1-GPU fp32 run's step-2 checkpoint holds CPU tensors only, and resumed under
+    torchrun on 2 GPUs and on the CPU it ends at the uninterrupted run's weights."""
+    start = stage_models(ctx)["sft"]
+    two = ctx.gpus >= 2
+    ok = True
+    body, values = [], {}
     for script in scripts(ctx):
-        flags = [*script_flags(ctx, script, 2), "--dtype", "float32", "--keep_checkpoints", 5]
-        first = ctx.dir("resume", f"{script}_1gpu")
-        run(ctx, f"resume/{script}_1gpu", launch(script, [*flags, "--out_dir", first]))
+        flags = [*script_flags(ctx, script, 2), "--keep_checkpoints", 5]
+        runs = [("float32", 1)]
+        if two:
+            runs += [("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+        dirs = {}
+        for dtype, k in runs:
+            name = f"{script}_{dtype}_{k}"
+            dirs[dtype, k] = ctx.dir("ranks", name)
+            cmd = launch(script, [*flags, "--dtype", dtype, "--out_dir", dirs[dtype, k]], k)
+            run(ctx, f"ranks/{name}", cmd)
+        first = dirs["float32", 1]
         step2 = os.path.join(first, "checkpoints", "step_00000002")
-        files = glob.glob(os.path.join(step2, "**", "*.pt"), recursive=True)  # state, optimizers
-        state = [torch.load(f, "cpu", weights_only=True) for f in files]
-        res = {"cpu_only": all(t.device.type == "cpu" for t in tensors_in(state))}
-        targets = [("2gpus", 2, {})] if ctx.gpus >= 2 else []
-        for name, nproc, env in targets + [("cpu", 0, {"CUDA_VISIBLE_DEVICES": ""})]:
-            resumed = ctx.dir("resume", f"{script}_{name}")
+        res = {"cpu_only": cpu_only(step2)}
+        if two:
+            res["fp32"] = weight_diff(first, dirs["float32", 2], script, start)[0]
+            bf16 = weight_diff(dirs["bfloat16", 1], dirs["bfloat16", 2], script, start)
+            res["bf16"], res["bf16_rel"] = bf16
+        targets = {"cpu": (0, {"CUDA_VISIBLE_DEVICES": ""})}
+        if two:
+            targets["2gpus"] = (2, {})
+        for name, (nproc, env) in targets.items():
+            resumed = ctx.dir("ranks", f"{script}_resumed_{name}")
             shutil.copytree(step2, os.path.join(resumed, "checkpoints", "step_00000002"))
-            cmd = launch(script, [*flags, "--out_dir", resumed, "--resume"], nproc)
-            run(ctx, f"resume/{script}_{name}", cmd, env)
-            res[name] = weight_diff(first, resumed, script)[0]
+            resume = ["--dtype", "float32", "--out_dir", resumed, "--resume"]
+            cmd = launch(script, [*flags, *resume], nproc)
+            run(ctx, f"ranks/{script}_resumed_{name}", cmd, env)
+            res[f"resumed_{name}"] = weight_diff(first, resumed, script)[0]
         # the CPU's fp32 kernels are not the GPU's: 1e-4 there, 1e-5 between GPU rank counts
-        good = res["cpu_only"] and res.get("2gpus", 0) <= 1e-5 and res["cpu"] <= 1e-4
+        good = res["cpu_only"] and res["resumed_cpu"] <= 1e-4
+        if two:
+            good &= res["fp32"] <= 1e-5 and res["bf16_rel"] <= ctx.args.bf16_tol
+            good &= res["resumed_2gpus"] <= 1e-5
         ok &= good
-        two = f"{res['2gpus']:.2e}" if "2gpus" in res else "skipped (1 GPU)"
-        body.append([script, yes(res["cpu_only"]), two, f"{res['cpu']:.2e}", yes(good)])
+        keys = ("fp32", "bf16", "bf16_rel", "resumed_2gpus", "resumed_cpu")
+        cells = [f"{res[key]:.2e}" if key in res else "– (1 GPU)" for key in keys]
+        body.append([script, *cells, yes(res["cpu_only"]), yes(good)])
         values[script] = res
-    header = ["script", "checkpoint: CPU tensors only", "2 GPUs: max abs diff", "CPU: max abs diff"]
-    lines = table([*header, "ok"], body)
-    lines.append("pass: CPU tensors only; 2 GPUs within 1e-5, the CPU within 1e-4 of the 1-GPU run")
+    header = ["script", "fp32 max diff", "bf16 max diff", "bf16 rel. update diff"]
+    header += ["resumed on 2 GPUs", "resumed on CPU", "checkpoint on CPU", "ok"]
+    lines = table(header, body)
+    lines.append(
+        "pass: 1 vs 2 GPUs, fp32 within 1e-5 and bf16 |Δ1 - Δ2| / |Δ1| <= --bf16_tol"
+        f" {ctx.args.bf16_tol} (Δ: the weights' change, L2); the checkpoint's tensors on the CPU;"
+        " resumed, 2 GPUs within 1e-5 and the CPU within 1e-4 of the uninterrupted 1-GPU run"
+    )
     return ok, lines, values
 
 
-def item_speed(ctx):
-    """bench.py's cuda (eager, then compiled), forward and generate sections at GPT-2 124M: sft.py's
-    MFU with each LM head and ours / HF sampling."""
-    path = os.path.join(ctx.out, "bench.json")
-    if ctx.cuda:
-        gpu = torch.cuda.get_device_name()
-        peak = next((f for key, f in PEAK_FLOPS if key in gpu), None)
-        flags = ["--sections", "cuda,forward,generate", "--presets", "gpt2"]
-        flags += ["--peak_flops", f"{peak:.4g}"] if peak else []
-    else:  # the dry run: the tiny preset, one turn
-        flags = ["--sections", "forward,generate", "--presets", "tiny", "--repeats", 1]
-        flags += ["--min_time", 0.01]
-    run(ctx, "speed/bench", launch("experiments/bench", [*flags, "--out", path]))
-    with open(path) as f:
-        results = json.load(f)
-    lines = [f"`python experiments/bench.py {' '.join(map(str, flags))}`", ""]
-    ok, values = True, {}
-    if ctx.cuda:
-        compiled = [*flags[:1], "cuda", *flags[4:], "--compile", "--out", path + ".compiled"]
-        run(ctx, "speed/bench_compiled", launch("experiments/bench", compiled))
-        results["cuda"] += json.load(open(path + ".compiled"))["cuda"]
-        lines[1:1] = [f"`python experiments/bench.py {' '.join(map(str, compiled[:-2]))}`"]
-        row = results["cuda"][0]  # the default: fp32 head, eager
-        mfu = values["mfu_percent"] = float(row["MFU"].split("%")[0])
-        ok &= mfu >= 45
-        unknown = "" if peak else " (this GPU's peak FLOP/s unknown: bench.py's H100 figure)"
-        lines.append(
-            f"- sft.py's step, GPT-2 124M bf16, {row['train B x T']}{unknown} (target >= 45%):"
-        )
-        for r in results["cuda"]:
-            how = f"{r['LM head']} head, {'compiled' if r['compiled'] else 'eager'}"
-            values[f"mfu {how}"] = r["MFU"]
-            lines.append(f"  - {how}: MFU {r['MFU']}, {r['train tok/s']:,.0f} tokens/s")
-        lines.append(
-            f"- rollout {row['rollout B x (prompt+new)']}: {row['rollout tok/s']:,.0f} tok/s"
-        )
-    for row in results["generate"]:
-        ratio = values[f"generate {row['preset']}"] = row["ours/HF"]
-        ok &= ratio >= 3
-        lines.append(
-            f"- sampling, {row['preset']} {row['dtype']} {row['B x (prompt+new)']}: ours "
-            f"{row['ours tok/s']:,.0f} tokens/s, HF generate {row['HF tok/s']:,.0f}: {ratio:.2f}x "
-            f"({row['ours/HF range']}; target >= 3x)"
-        )
-    for row in results["forward"]:
-        ratio = row["ours/HF"]
-        lines.append(f"- forward+backward, {row['preset']} {row['dtype']}: ours / HF {ratio:.2f}x")
-    lines.append("- not run: the peer benchmark against TRL (experiments/peer_bench.py, own venv)")
-    return ok if ctx.cuda else None, lines, values
-
-
-def synthetic_data(path, response_length, n=64, prompt_length=32, seed=0):
-    """A dataset in data/'s format with the GPT-2 tokenizer: random prompts and responses of exactly
-    response_length tokens (the last the stop token); the arithmetic verifier, every answer 0."""
-    meta = data.make_meta("gpt2", path, "arithmetic")
-    rng, eos = np.random.default_rng(seed), meta["eos_token_id"]
-    tokens = lambda m, t: rng.integers(0, eos, (m, t)).astype(np.int32)  # never the stop token
-    stop = lambda m: np.full((m, 1), eos, np.int32)
-    response = lambda m: np.concatenate([tokens(m, response_length - 1), stop(m)], 1)
-    splits = {}
-    for split, m in (("train", n), ("test", 16)):
-        query = tokens(m, prompt_length)
-        splits[f"sft_{split}"] = dict(query=query, response=response(m))
-        splits[f"pref_{split}"] = dict(query=query, chosen=response(m), rejected=response(m))
-        splits[f"prompt_{split}"] = dict(query=query, ground_truth=np.array(["0"] * m))
-    data.write_dataset(path, meta, splits)
-
-
-def random_models(ctx, preset, block_size):
-    """A random-init GPT-2 of a preset and a reward model on it, saved by gpt2.save."""
-    root = os.path.join(ctx.out, "work", "models", preset)
-    if not os.path.isfile(os.path.join(root, "reward", "model.safetensors")):
-        torch.manual_seed(0)
-        with torch.device(ctx.device):  # the init on the GPU: seconds, not minutes
-            model = gpt2.GPT(gpt2.GPTConfig(**gpt2.PRESETS[preset] | dict(block_size=block_size)))
-        gpt2.save(model, os.path.join(root, "policy"))
-        gpt2.save(gpt2.ScalarModel(model), os.path.join(root, "reward"))
-        del model  # the runs need the GPU's memory
-        torch.cuda.empty_cache()
-    return os.path.join(root, "policy"), os.path.join(root, "reward")
-
-
-def memory_flags(script, policy, reward, dataset, k, length):
-    """One optimizer step at micro-batch 8 (pairs for dpo and reward) on each of k GPUs."""
-    common = ["--model", policy, "--data", dataset, "--eval_size", 0, "--keep_checkpoints", 1]
-    batch = ["--batch_size", 8 * k, "--micro_batch_size", 8]
-    steps = ["--total_steps", 1, "--warmup_steps", 1, *batch]
-    rollout = ["--micro_batch_size", 8, "--num_minibatches", 1, "--total_episodes", 8 * k]
-    return (
-        common
-        + {
-            "sft": steps,
-            "reward": [*steps, "--norm_samples", 8 * k, "--response_length", length],
-            "dpo": [*steps, "--max_train_pairs", 8 * k],
-            "ppo": [*batch, *rollout[2:], "--num_ppo_epochs", 1, "--reward_model", reward],
-            "grpo": ["--num_prompts_per_step", 2 * k, "--num_samples_per_prompt", 4, *rollout],
-        }[script]
-        + (["--response_length", length] if script in ("ppo", "grpo") else [])
-    )
-
-
-def measure_peak(ctx, script, preset, dataset, length):
-    """(GiB at the largest rank's peak, or None when out of memory; an error line, or "")."""
-    policy, reward = random_models(ctx, preset, 1024 if ctx.cuda else 512)
-    k = ctx.args.memory_nproc if ctx.cuda else 1
-    name = f"memory/{script}_{preset}"
-    out, peak_file = ctx.dir(name), os.path.join(ctx.out, "work", f"{name}.peak")
-    flags = memory_flags(script, policy, reward, dataset, k, length) + ["--out_dir", out]
-    flags += ["--beta", 0.04] if script == "grpo" else []  # a reference model held, as DeepSeekMath
-    child = ["--child", "peak", peak_file, os.path.join(ROOT, f"{script}.py"), *flags]
-    rc, output = run(ctx, name, launch(os.path.abspath(__file__), child, k), check=False)
-    shutil.rmtree(out, ignore_errors=True)  # gpt2-xl checkpoints take tens of GB
-    if rc:
-        oom = "out of memory" in output.lower() or "OutOfMemoryError" in output
-        return None, "" if oom else last_line(output)
-    peaks = [json.load(open(f"{peak_file}.rank{r}")) for r in range(k)]
-    key = "cuda_max_allocated" if ctx.cuda else "max_rss"
-    return max(p[key] for p in peaks) / 2**30, ""
-
-
-def largest_fit(ctx, script, preset, fits, dataset, length):
-    """The largest preset that fits, searching up from preset if it fits, else down."""
-    i = PRESETS.index(preset)
-    largest = preset if fits else "none"
-    for other in PRESETS[i + 1 :] if fits else PRESETS[:i][::-1]:
-        gib, error = measure_peak(ctx, script, other, dataset, length)
-        if error:
-            return f"{largest} ({other}: {error})"
-        if fits and gib is None:
-            break
-        if gib is not None:
-            largest = other
-            if not fits:
-                break
-    return largest
-
-
-def item_memory(ctx):
-    """Peak memory of each script at --memory_preset, micro-batch 8, --response_length tokens, and
-    the largest preset each fits (on CPU: peak RSS at a tiny shape, 32 tokens, no search)."""
-    preset = ctx.args.memory_preset if ctx.cuda else "tiny"
-    length = ctx.args.response_length if ctx.cuda else 32
-    dataset = ctx.dir("memory", f"data_{length}")
-    synthetic_data(dataset, length)
-    what = "torch.cuda.max_memory_allocated" if ctx.cuda else "peak RSS (CPU dry run)"
-    k = ctx.args.memory_nproc if ctx.cuda else 1
-    ok, body, values = True, [], {}
-    for script in scripts(ctx):
-        gib, error = measure_peak(ctx, script, preset, dataset, length)
-        ok &= not error
-        fits = "–"
-        if ctx.cuda and ctx.args.fit_search and not error and preset in PRESETS:
-            fits = largest_fit(ctx, script, preset, gib is not None, dataset, length)
-        body.append([script, error or ("out of memory" if gib is None else f"{gib:.2f}"), fits])
-        values[script] = dict(gib=gib, error=error, largest_fit=fits)
-    shutil.rmtree(os.path.join(ctx.out, "work", "models"), ignore_errors=True)
-    lines = [
-        f"{what} of the largest rank, torchrun x{k}, micro-batch 8, {length}-token responses, "
-        "random init, synthetic data, one optimizer step",
-        "",
-    ]
-    return ok, lines + table(["script", f"{preset}: GiB", "largest preset that fits"], body), values
-
-
-def item_profile(ctx):
-    """torch.profiler over gpt2.generate under FSDP2 on min(2, N) GPUs (a child under torchrun)."""
-    k, preset = min(2, ctx.gpus), "gpt2" if ctx.cuda else "tiny"
-    path = os.path.join(ctx.out, "work", "profile.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)  # run first, no other item made work/
-    child = ["--child", "profile", path, preset]
-    run(ctx, "profile/generate", launch(os.path.abspath(__file__), child, k))
-    with open(path) as f:
-        res = json.load(f)
-    dtype = "bf16 autocast" if ctx.cuda else "fp32, gloo"
-    lines = [f"{preset}, FSDP2 over {k} rank(s), {res['shape']}, {dtype}", ""]
-    header = ["generation", "ms/token (no profiler)", "FSDP hooks/token", "host syncs/token"]
-    body = [
-        [name, f"{r['ms_per_token']:.2f}", f"{r['hooks_per_token']:.1f}"]
-        + [f"{r['syncs_per_token']:.2f}", f"{r['hook_share']:.1%}", f"{r['sync_share']:.1%}"]
-        for name, r in res["runs"].items()
-    ]
-    lines += table([*header, "hooks' share", "syncs' share"], body)
-    lines.append(
-        "share: CPU time in FSDP::* ranges or in item()/syncs over the profiled call's wall"
-    )
-    return None, lines, res
-
-
-def item_tests(ctx):
-    """The suite, every test's outcome streamed to the log (-v), so a run that the deadline stops
-    still reports the tests that finished."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests"]
-    xdist = importlib.util.find_spec("xdist") is not None and ctx.args.test_workers > 1
-    cmd += ["-n", str(ctx.args.test_workers)] if xdist else []
-    rc, output = run(ctx, "tests/pytest", cmd, check=False)
-    outcomes = {}
-    for line in output.splitlines():
-        test = re.search(r"(tests/\S+::\S+)", line)
-        word = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", line)
-        if test and word:
-            outcomes[test.group(1)] = word.group(1)
-    total = re.search(r"(?:collected|\[)\s*(\d+) items", output)
-    counts = {w: list(outcomes.values()).count(w) for w in sorted(set(outcomes.values()))}
-    shown = ", ".join(f"{n} {w.lower()}" for w, n in counts.items()) or "no test finished"
-    left = int(total.group(1)) - len(outcomes) if total else 0
-    lines = [
-        f"`python {' '.join(cmd[1:])}`: exit {rc}; {shown}" + (f"; {left} not run" if left else "")
-    ]
-    lines += [f"- {w}: {t}" for t, w in outcomes.items() if w in ("FAILED", "ERROR")]
-    return rc == 0, lines, dict(rc=rc, outcomes=outcomes)
-
-
-# ----------------------------------------------------------------------------------------------
-# The children that the memory and profile items start under torchrun
-
-
-def child_peak(path, script, argv):
-    """Run `python script argv` in this process until its first save; at its exit write this
-    rank's peak memory to path.rank<RANK> (os._exit, which ends torchrun runs, is hooked too)."""
-    sys.argv = [script, *argv]
-
-    def report():
-        stats = dict(max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        if torch.cuda.is_available():
-            stats["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-            stats["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
-        with open(f"{path}.rank{os.environ.get('RANK', '0')}", "w") as f:
-            json.dump(stats, f)
-
-    exit_now = os._exit
-    os._exit = lambda code: (report(), exit_now(code))
-    atexit.register(report)
-    # every script's first save follows its one optimizer step (and reward.py's normalisation):
-    # the peak is in, and the GBs of checkpoint that a large preset writes are not measured
-    gpt2.save = lambda *args, **kwargs: os._exit(0)
-    runpy.run_path(script, run_name="__main__")
-
-
-SYNCS = {"aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize"}
-
-
-def outermost(events, pred):
-    """The profiler events that match pred and that no other matching event encloses."""
-    out = []
-    for e in events:
-        parent = e.cpu_parent
-        while parent is not None and not pred(parent):
-            parent = parent.cpu_parent
-        if pred(e) and parent is None:
-            out.append(e)
-    return out
-
-
-def child_profile(path, preset):
-    """gpt2.generate of a GPT-2 sharded as the scripts shard it, profiled as it is and with
-    gpt2.unsharded turned off (the weights gathered per block per token)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda, rank = torch.cuda.is_available(), int(os.environ["RANK"])
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    cfg = gpt2.GPTConfig(**gpt2.PRESETS[preset], vocab_size=257 if preset == "tiny" else 50257)
-    torch.manual_seed(0)
-    model = gpt2.GPT(cfg).to(device).eval()
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda else fp32
-    for block in model.transformer.h:  # as the scripts' shard(): the blocks, then the fp32 root
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=fp32)
-    B, Tq, n = (64, 64, 64) if cuda else (8, 8, 16)
-    pad = cfg.vocab_size - 1
-    query = padded_batch(B, Tq, pad, device, seed=rank)[0]
-    amp = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
-    sync = torch.cuda.synchronize if cuda else lambda: None
-
-    def generate():
-        with amp:
-            gpt2.generate(model, query, pad, n, pad, 1.0)  # stop token = pad: rarely sampled
-        sync()
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    runs = {}
-    for name, gather in (("gpt2.generate", gpt2.unsharded), ("no gather once", nullcontext)):
-        with patched(gpt2, "unsharded", lambda m, gather=gather: gather(m)):
-            generate()  # warmup
-            t0 = time.perf_counter()
-            for _ in range(3):
-                generate()
-            ms = (time.perf_counter() - t0) / 3 / n * 1e3
-            with profile(activities=activities) as prof:
-                t0 = time.perf_counter()
-                generate()
-                wall_us = (time.perf_counter() - t0) * 1e6
-        events = list(prof.events())
-        hooks = outermost(events, lambda e: e.name.startswith("FSDP::"))
-        syncs = outermost(events, lambda e: e.name in SYNCS)
-        runs[name] = dict(
-            ms_per_token=ms,
-            hooks_per_token=len(hooks) / n,
-            syncs_per_token=len(syncs) / n,
-            hook_share=sum(e.cpu_time_total for e in hooks) / wall_us,
-            sync_share=sum(e.cpu_time_total for e in syncs) / wall_us,
-        )
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(dict(shape=f"{B} x ({Tq} + {n}) tokens", runs=runs), f, indent=2)
-    dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
 # main: the items in turn, then one report
 
 
@@ -833,71 +457,44 @@ def run_item(ctx, item):
     """One item: its report entry (status, seconds, lines, values), printed as it ends."""
     print(f"\n== {item}", flush=True)
     t0 = time.time()
+    passed, values = False, {}
     try:
         passed, lines, values = globals()[f"item_{item}"](ctx)
     except Failed as e:
-        passed, lines, values = False, [f"FAILED: {e}"], {}
-    except Exception:  # a crash in the check itself: reported, and the next item runs
-        passed, lines, values = False, ["ERROR", *traceback.format_exc().splitlines()[-8:]], {}
+        lines = [f"FAILED: {e}"]
+    except Exception:
+        # a crash in the check itself: reported, and the next item runs
+        lines = ["ERROR", *traceback.format_exc().splitlines()[-8:]]
     status = {True: "PASS", False: "FAIL", None: "MEASURED"}[passed]
-    status = "SKIPPED" if lines[0].endswith("skipped") else status
-    status = "NOT RUN" if "--deadline reached" in lines[0] else status
-    torch.cuda.empty_cache()  # what an item left cached would shrink the next one's GPU
+    if "--deadline reached" in lines[0]:
+        status = "NOT RUN"
+    # what an item left cached would shrink the next one's GPU
+    torch.cuda.empty_cache()
     print("\n".join(lines), flush=True)
     return dict(status=status, seconds=round(time.time() - t0), lines=lines, values=values)
 
 
-def run_groups(ctx, items):
-    """--jobs: items in groups balanced by COST, each group a child gpu_check in out/<group>,
-    side by side; their report entries, in the order of items."""
-    groups = [[] for _ in range(min(ctx.args.jobs, len(items)))]
-    for item in sorted(items, key=lambda i: -COST[i]):  # the longest first, to the lightest group
-        min(groups, key=lambda g: sum(COST[i] for i in g)).append(item)
-    children = []
-    for group in groups:
-        out = os.path.join(ctx.out, "_".join(group))
-        left = 0 if ctx.end == math.inf else max(1, int(ctx.end - time.time()))
-        args = asdict(ctx.args) | dict(items=",".join(group), out=out, jobs=1, deadline=left)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "items", json.dumps(args)]
-        log = open(os.path.join(ctx.out, "logs", f"{'_'.join(group)}.log"), "w")
-        print(f"  started {','.join(group)} (log: {log.name})", flush=True)
-        children.append((group, out, subprocess.Popen(cmd, env=ctx.env, stdout=log, stderr=log)))
-    entries = {}
-    for group, out, child in children:
-        try:  # each child stops its own runs at the deadline; one that hangs is killed later
-            child.wait(timeout=max(1, ctx.end - time.time() + 60) if ctx.end < math.inf else None)
-        except subprocess.TimeoutExpired:
-            kill_tree(child.pid)
-            child.wait()
-        path = os.path.join(out, "report.json")
-        done = json.load(open(path))["items"] if os.path.isfile(path) else {}
-        for item in group:
-            entries[item] = done.get(item) or dict(
-                status="FAIL", seconds=0, lines=[f"FAILED: no report (log: {out})"], values={}
-            )
-            print(f"\n== {item} (in {out})\n" + "\n".join(entries[item]["lines"]), flush=True)
-    return {item: entries[item] for item in items}
-
-
 def write_report(out, head, args, report):
-    """report.md and report.json in out: written after every item, so a stopped run keeps them."""
+    """report.md and report.json in out: written after every item, so a stopped run keeps
+    them. Returns the summary table's lines."""
     md = [f"# {head}", "", f"`{' '.join(sys.argv)}`", ""]
     for item, r in report.items():
         md += [f"## {item}: {r['status']} ({r['seconds']} s)", "", *r["lines"], ""]
-    rows = [[i, r["status"], r["seconds"]] for i, r in report.items()]
-    md += ["## summary", "", *table(["item", "status", "seconds"], rows)]
+    rows = [[item, r["status"], r["seconds"]] for item, r in report.items()]
+    summary = table(["item", "status", "seconds"], rows)
+    md += ["## summary", "", *summary]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(dict(head=head, args=asdict(args), items=report), f, indent=2, default=str)
-    return md[-len(rows) - 2 :]
+    return summary
 
 
 def main(args: Args):
     t_start = time.time()
     items = args.items.split(",")
-    if set(items) - set(ITEMS):
-        unknown = sorted(set(items) - set(ITEMS))
+    unknown = sorted(set(items) - set(ITEMS))
+    if unknown:
         raise gpt2.RunError(f"--items: unknown {unknown}: use some of {','.join(ITEMS)}")
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if args.device == "cuda" and not cuda:
@@ -906,7 +503,6 @@ def main(args: Args):
         print("no CUDA device: only the attention item's CPU sanity check runs (--device cpu)")
         items = [i for i in items if i == "attention"]
     gpus = torch.cuda.device_count() if cuda else args.cpu_ranks
-    gpus = min(gpus, args.max_gpus or gpus)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(args.out or os.path.join(ROOT, "runs", "gpu_check", stamp))
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
@@ -915,35 +511,26 @@ def main(args: Args):
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     end = t_start + args.deadline if args.deadline > 0 else math.inf
-    ctx = Ctx(args, cuda, gpus, out, env, torch.device("cuda" if cuda else "cpu"), end)
-    machine = f"{os.cpu_count()} CPU cores" + (
-        f", {gpus} gloo ranks as GPUs" if not cuda and args.device == "cpu" else ""
-    )
-    machine = f"{gpus} x {torch.cuda.get_device_name()}" if cuda else machine
+    device = torch.device("cuda" if cuda else "cpu")
+    ctx = Ctx(args, cuda, gpus, out, env, device, end)
+    if cuda:
+        machine = f"{gpus} x {torch.cuda.get_device_name()}"
+    else:
+        machine = f"{os.cpu_count()} CPU cores"
+        if args.device == "cpu":
+            machine += f", {gpus} gloo ranks as GPUs"
     git = ["git", "rev-parse", "--short", "HEAD"]
     commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
     head = f"gpu_check: {machine}; torch {torch.__version__}; commit {commit}"
     print(f"{head}\n`{' '.join(sys.argv)}`", flush=True)
-    alone = items if args.jobs <= 1 else [i for i in items if i in TIMED]
     report = {}
-    for item in alone:
+    for item in items:
         report[item] = run_item(ctx, item)
         write_report(out, head, args, report)
-    if len(alone) < len(items):
-        report |= run_groups(ctx, [i for i in items if i not in alone])
-    report = {item: report[item] for item in items}
     summary = write_report(out, head, args, report)
     print("\n" + "\n".join(summary) + f"\n\nwritten to {out}/report.md and .json")
     sys.exit(1 if any(r["status"] == "FAIL" for r in report.values()) else 0)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:  # what memory, profile (under torchrun) and --jobs start
-        if sys.argv[2] == "peak":
-            child_peak(sys.argv[3], sys.argv[4], sys.argv[5:])
-        elif sys.argv[2] == "items":  # a group of --jobs, with the parent's Args
-            main(Args(**json.loads(sys.argv[3])))
-        else:
-            child_profile(*sys.argv[3:])
-    else:
-        main(tyro.cli(Args))
+    main(tyro.cli(Args))
