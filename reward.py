@@ -44,34 +44,62 @@ import gpt2
 
 @dataclass
 class Args:
-    model: str = "runs/sft/latest"  # the SFT model to start from; its samples set the normalisation
-    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
-    out_dir: str = ""  # run directory; default a fresh runs/reward/<time>-s<seed>
-    overwrite: bool = False  # delete the run already in --out_dir and start afresh
-    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
-    seed: int = 1  # seed of the head init, the data order and the normalisation samples
-    lr: float = 1e-3  # peak learning rate (1e-3 suits the tiny model, ~5e-6 pretrained GPT-2)
-    warmup_steps: int = 20  # linear warmup steps, then cosine decay to lr * min_lr_ratio
-    min_lr_ratio: float = 0.1  # the final learning rate as a fraction of lr
-    weight_decay: float = 0.0  # AdamW weight decay on matrices (not on biases and LayerNorms)
-    max_grad_norm: float = 1.0  # gradient clipping threshold on the global gradient norm
-    total_steps: int = 3000  # optimizer steps (the tiny task's near misses are learnt late)
-    batch_size: int = 64  # preference pairs per optimizer step, over all ranks
-    micro_batch_size: int = 32  # pairs per forward pass on one rank (2x sequences)
-    max_train_pairs: int = 0  # train on the first N pref_train pairs only (0: all)
-    margin: float = 0.0  # constant margin m in -log σ(r_chosen - r_rejected - m)
-    center_rewards_coef: float = 0.0  # weight of (r_chosen + r_rejected)^2 in the loss (TRL: 0.01)
-    norm_samples: int = 512  # policy samples that set the normalisation (0: gain 1, bias 0)
-    norm_temperature: float = 0.7  # their sampling temperature: PPO's --temperature
-    response_length: int = 16  # their max new tokens: PPO's --response_length
-    eval_every: int = 250  # steps between evals and checkpoints
-    eval_size: int = 500  # held-out pref_test pairs for the eval loss and accuracy (0: no eval)
-    log_every: int = 10  # steps between status lines and metrics rows
-    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (at least 1)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    compile: bool = False  # torch.compile the model
-    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
-    wandb: bool = False  # also log to Weights & Biases (imported only when set)
+    model: str = "runs/sft/latest"
+    """the SFT model to start from; its samples set the normalisation"""
+    data: str = "arithmetic"
+    """`arithmetic` (built-in, offline) or a dir from `python -m data.prep`"""
+    out_dir: str = ""
+    """run directory; default a fresh runs/reward/<time>-s<seed>"""
+    overwrite: bool = False
+    """delete the run already in --out_dir and start afresh"""
+    resume: bool = False
+    """continue the run in --out_dir from its last complete checkpoint"""
+    seed: int = 1
+    """seed of the head init, the data order and the normalisation samples"""
+    lr: float = 1e-3
+    """peak learning rate (1e-3 suits the tiny model, ~5e-6 pretrained GPT-2)"""
+    warmup_steps: int = 20
+    """linear warmup steps, then cosine decay to lr * min_lr_ratio"""
+    min_lr_ratio: float = 0.1
+    """the final learning rate as a fraction of lr"""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices (not on biases and LayerNorms)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold on the global gradient norm"""
+    total_steps: int = 3000
+    """optimizer steps (the tiny task's near misses are learnt late)"""
+    batch_size: int = 64
+    """preference pairs per optimizer step, over all ranks"""
+    micro_batch_size: int = 32
+    """pairs per forward pass on one rank (2x sequences)"""
+    max_train_pairs: int = 0
+    """train on the first N pref_train pairs only (0: all)"""
+    margin: float = 0.0
+    """constant margin m in -log σ(r_chosen - r_rejected - m)"""
+    center_rewards_coef: float = 0.0
+    """weight of (r_chosen + r_rejected)^2 in the loss (TRL: 0.01)"""
+    norm_samples: int = 512
+    """policy samples that set the normalisation (0: gain 1, bias 0)"""
+    norm_temperature: float = 0.7
+    """their sampling temperature: PPO's --temperature"""
+    response_length: int = 16
+    """their max new tokens: PPO's --response_length"""
+    eval_every: int = 250
+    """steps between evals and checkpoints"""
+    eval_size: int = 500
+    """held-out pref_test pairs for the eval loss and accuracy (0: no eval)"""
+    log_every: int = 10
+    """steps between status lines and metrics rows"""
+    keep_checkpoints: int = 2
+    """resumable checkpoints kept in out_dir/checkpoints (at least 1)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU"""
+    compile: bool = False
+    """torch.compile the model"""
+    activation_checkpointing: bool = False
+    """recompute block activations in backward to save memory"""
+    wandb: bool = False
+    """also log to Weights & Biases (imported only when set)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +110,8 @@ def preference_loss(r_chosen, r_rejected, margin=0.0, center_coef=0.0):
     """Per-pair loss (B,). Bradley–Terry: -log σ(r_chosen - r_rejected), the reward model
     loss of Stiennon et al. 2020 (eq. 1) and Ouyang et al. 2022 (eq. 1); two variants."""
     logits = r_chosen - r_rejected
-    # Llama 2 (Touvron et al. 2023, eq. 2): a margin m asks for a gap wider than m.
+    # Llama 2 (Touvron et al. 2023, eq. 2; there m depends on the rating): asks for a gap
+    # wider than m between the two rewards.
     if margin:
         logits = logits - margin
     loss = -F.logsigmoid(logits)
@@ -153,18 +182,19 @@ def normalize(model, queries, args, meta, bf16, ctx):
     normed = torch.zeros(n, dtype=torch.float64, device=device)
     rollouts = []
     model.eval()
+    temperature = args.norm_temperature
     starts = range(0, local, args.micro_batch_size)
     for i in data.progress(starts, "normalisation", show=MASTER):
         first = rank * local + i
-        rows = slice(first, rank * local + min(i + args.micro_batch_size, local))
+        end = rank * local + min(i + args.micro_batch_size, local)
+        rows = slice(first, end)
         query = torch.from_numpy(queries[rows]).to(device)
-        temp = args.norm_temperature
         with ctx:
-            rollout = gpt2.generate(policy, query, pad, length, eos, temp, noise[rows])
+            rollout = gpt2.generate(policy, query, pad, length, eos, temperature, noise[rows])
             rewards = gpt2.get_reward(model, rollout.query, rollout.response, pad, eos)
         raw[rows] = rewards.double()
         rollouts.append((rows, rollout.query, rollout.response))
-    # Every rank's rows.
+    # The gain and bias from every rank's raw scores.
     model.reward_gain, model.reward_bias = normalization(all_reduce(raw))
     # Scored again: a check that the gain and bias apply.
     for rows, query, response in rollouts:
@@ -218,34 +248,54 @@ def shard(model, device, bf16, frozen=False):
 def check_args(args):
     """Every numeric flag's range, before any heavy work: a bad one stops the run with one
     line that names the flag and the fix, not a traceback (or a non-finite loss) later."""
-    sizes = ["total_steps", "batch_size", "micro_batch_size", "response_length"]
-    sizes += ["eval_every", "log_every"]
+    sizes = [
+        "total_steps",
+        "batch_size",
+        "micro_batch_size",
+        "response_length",
+        "eval_every",
+        "log_every",
+    ]
     for name in sizes:
         value = getattr(args, name)
-        default = getattr(Args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
         if value < 1:
-            raise RunError(f"--{name} {value}: must be 1 or more; pass e.g. {default}")
-    # 0 means something for these: no warmup, all pairs, no normalisation, no eval.
-    counts = ["seed", "warmup_steps", "max_train_pairs", "norm_samples", "eval_size"]
-    counts += ["keep_checkpoints"]
+            raise RunError(f"--{name} {value}: must be 1 or more; {fix}")
+    # 0 means something for these: no warmup, all pairs, no normalisation, no eval,
+    # the newest checkpoint only.
+    counts = [
+        "seed",
+        "warmup_steps",
+        "max_train_pairs",
+        "norm_samples",
+        "eval_size",
+        "keep_checkpoints",
+    ]
     for name in counts:
         value = getattr(args, name)
-        default = getattr(Args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
         if value < 0:
-            raise RunError(f"--{name} {value}: must be 0 or more; pass e.g. {default}")
-    # A nan or an infinity passes every comparison below or none: each is checked first.
-    floats = ["lr", "min_lr_ratio", "weight_decay", "max_grad_norm", "margin"]
-    floats += ["center_rewards_coef", "norm_temperature"]
+            raise RunError(f"--{name} {value}: must be 0 or more; {fix}")
+    # nan compares false with everything, so it would pass the range checks below.
+    floats = [
+        "lr",
+        "min_lr_ratio",
+        "weight_decay",
+        "max_grad_norm",
+        "margin",
+        "center_rewards_coef",
+        "norm_temperature",
+    ]
     for name in floats:
         value = getattr(args, name)
-        default = getattr(Args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
         if not math.isfinite(value):
-            raise RunError(f"--{name} {value}: not a finite number; pass e.g. {default}")
+            raise RunError(f"--{name} {value}: not a finite number; {fix}")
     if args.lr < 0:
-        raise RunError(f"--lr {args.lr}: must be 0 or more; pass e.g. {Args.lr}")
+        raise RunError(f"--lr {args.lr}: must be 0 or more; pass e.g. --lr {Args.lr}")
     if not 0 <= args.min_lr_ratio <= 1:
         ratio = args.min_lr_ratio
-        raise RunError(f"--min_lr_ratio {ratio}: a fraction of --lr; pass 0 to 1")
+        raise RunError(f"--min_lr_ratio {ratio}: a fraction of --lr; pass 0 to 1, e.g. 0.1")
     if args.weight_decay < 0:
         decay = args.weight_decay
         raise RunError(f"--weight_decay {decay}: must be 0 or more; pass e.g. 0")
@@ -254,10 +304,10 @@ def check_args(args):
         raise RunError(f"--max_grad_norm {norm}: clips every update to 0; pass e.g. 1")
     if args.center_rewards_coef < 0:
         coef = args.center_rewards_coef
-        raise RunError(f"--center_rewards_coef {coef}: must be 0 or more; pass e.g. 0.01")
+        raise RunError(f"--center_rewards_coef {coef}: must be 0 or more; pass e.g. 0.01 (TRL's)")
     if args.norm_temperature <= 0:
         temp = args.norm_temperature
-        raise RunError(f"--norm_temperature {temp}: must be more than 0; pass e.g. 0.7")
+        raise RunError(f"--norm_temperature {temp}: must be more than 0; pass e.g. 0.7 (PPO's)")
 
 
 def main(args: Args):
