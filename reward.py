@@ -1,15 +1,16 @@
 """Reward modelling: GPT-2 with a scalar head, trained on preference pairs (Bradley–Terry).
 
-Ziegler et al. 2019 (lm-human-preferences), Stiennon et al. 2020 and InstructGPT start the reward
-model from the SFT policy with a linear head read at the response's first stop token and train it
-with -log σ(r_chosen - r_rejected), averaged over the global batch of pairs (the same step at any
-number of ranks), optionally with `--margin` and TRL's `--center_rewards_coef`. As in Ziegler et
-al., the rewards are then normalised to mean 0, std 1 on the policy's samples at PPO's temperature
-(`--norm_temperature`; gain and bias in config.json). Deviation: not also before training.
+Ziegler et al. 2019 (lm-human-preferences), Stiennon et al. 2020 and InstructGPT start the
+reward model from the SFT policy with a linear head read at the response's first stop token,
+and train it with -log σ(r_chosen - r_rejected), averaged over the global batch of pairs (the
+same step at any number of ranks), optionally with `--margin` and TRL's
+`--center_rewards_coef`. As in Ziegler et al., the rewards are then normalised to mean 0, std 1
+on the policy's samples at PPO's temperature (`--norm_temperature`; gain and bias in
+config.json). Deviation: not also before training.
 
-    python reward.py                                  # from runs/sft/latest (python sft.py)
-    torchrun --nproc_per_node=2 reward.py             # the same run, FSDP2 over 2 ranks
-    python reward.py --resume --out_dir runs/reward/<run>   # continue from its last checkpoint
+    python reward.py                          # from runs/sft/latest (python sft.py)
+    torchrun --nproc_per_node=2 reward.py     # the same run, FSDP2 over 2 ranks
+    python reward.py --resume --out_dir runs/reward/<run>  # continue from its last checkpoint
 
 A run writes runs/reward/<time>-s<seed>/; runs/reward/latest links the last finished one.
 """
@@ -26,6 +27,8 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Literal
 
 import numpy as np
 import torch
@@ -41,34 +44,62 @@ import gpt2
 
 @dataclass
 class Args:
-    model: str = "runs/sft/latest"  # the SFT model to start from; its samples set the normalisation
-    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
-    out_dir: str = ""  # run directory; default a fresh runs/reward/<time>-s<seed>
-    overwrite: bool = False  # delete the run already in --out_dir and start afresh
-    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
-    seed: int = 1  # seed of the head init, the data order and the normalisation samples
-    lr: float = 1e-3  # peak learning rate (1e-3 suits the tiny model, ~5e-6 pretrained GPT-2)
-    warmup_steps: int = 20  # linear warmup steps, then cosine decay to lr * min_lr_ratio
-    min_lr_ratio: float = 0.1  # the final learning rate as a fraction of lr
-    weight_decay: float = 0.0  # AdamW weight decay on matrices (not on biases and LayerNorms)
-    max_grad_norm: float = 1.0  # gradient clipping threshold on the global gradient norm
-    total_steps: int = 3000  # optimizer steps (the tiny task's near misses are learnt late)
-    batch_size: int = 64  # preference pairs per optimizer step, over all ranks
-    micro_batch_size: int = 32  # pairs per forward pass on one rank (2x sequences)
-    max_train_pairs: int = 0  # train on the first N pref_train pairs only (0: all)
-    margin: float = 0.0  # constant margin m in -log σ(r_chosen - r_rejected - m)
-    center_rewards_coef: float = 0.0  # weight of (r_chosen + r_rejected)^2 in the loss (TRL: 0.01)
-    norm_samples: int = 512  # policy samples that set the normalisation (0: gain 1, bias 0)
-    norm_temperature: float = 0.7  # their sampling temperature: PPO's --temperature
-    response_length: int = 16  # their max new tokens: PPO's --response_length
-    eval_every: int = 250  # steps between evals and checkpoints
-    eval_size: int = 500  # held-out pref_test pairs for the eval loss and accuracy (0: no eval)
-    log_every: int = 10  # steps between status lines and metrics rows
-    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (at least 1)
-    dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
-    compile: bool = False  # torch.compile the model
-    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
-    wandb: bool = False  # also log to Weights & Biases (imported only when set)
+    model: str = "runs/sft/latest"
+    """the SFT model to start from; its samples set the normalisation"""
+    data: str = "arithmetic"
+    """`arithmetic` (built-in, offline) or a dir from `python -m data.prep`"""
+    out_dir: str = ""
+    """run directory; default a fresh runs/reward/<time>-s<seed>"""
+    overwrite: bool = False
+    """delete the run already in --out_dir and start afresh"""
+    resume: bool = False
+    """continue the run in --out_dir from its last complete checkpoint"""
+    seed: int = 1
+    """seed of the head init, the data order and the normalisation samples"""
+    lr: float = 1e-3
+    """peak learning rate (1e-3 suits the tiny model, ~5e-6 pretrained GPT-2)"""
+    warmup_steps: int = 20
+    """linear warmup steps, then cosine decay to lr * min_lr_ratio"""
+    min_lr_ratio: float = 0.1
+    """the final learning rate as a fraction of lr"""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices (not on biases and LayerNorms)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold on the global gradient norm"""
+    total_steps: int = 3000
+    """optimizer steps (the tiny task's near misses are learnt late)"""
+    batch_size: int = 64
+    """preference pairs per optimizer step, over all ranks"""
+    micro_batch_size: int = 32
+    """pairs per forward pass on one rank (2x sequences)"""
+    max_train_pairs: int = 0
+    """train on the first N pref_train pairs only (0: all)"""
+    margin: float = 0.0
+    """constant margin m in -log σ(r_chosen - r_rejected - m)"""
+    center_rewards_coef: float = 0.0
+    """weight of (r_chosen + r_rejected)^2 in the loss (TRL: 0.01)"""
+    norm_samples: int = 512
+    """policy samples that set the normalisation (0: gain 1, bias 0)"""
+    norm_temperature: float = 0.7
+    """their sampling temperature: PPO's --temperature"""
+    response_length: int = 16
+    """their max new tokens: PPO's --response_length"""
+    eval_every: int = 250
+    """steps between evals and checkpoints"""
+    eval_size: int = 500
+    """held-out pref_test pairs for the eval loss and accuracy (0: no eval)"""
+    log_every: int = 10
+    """steps between status lines and metrics rows"""
+    keep_checkpoints: int = 2
+    """resumable checkpoints kept in out_dir/checkpoints (at least 1)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU"""
+    compile: bool = False
+    """torch.compile the model"""
+    activation_checkpointing: bool = False
+    """recompute block activations in backward to save memory"""
+    wandb: bool = False
+    """also log to Weights & Biases (imported only when set)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,18 +107,35 @@ class Args:
 
 
 def preference_loss(r_chosen, r_rejected, margin=0.0, center_coef=0.0):
-    """Per-pair loss (B,): -log σ(r_c - r_r - margin) + center_coef (r_c + r_r)^2, as in TRL."""
-    centering = center_coef * (r_chosen + r_rejected) ** 2
-    return -F.logsigmoid(r_chosen - r_rejected - margin) + centering
+    """Per-pair loss (B,). Bradley–Terry: -log σ(r_chosen - r_rejected), the reward model
+    loss of Stiennon et al. 2020 (eq. 1) and Ouyang et al. 2022 (eq. 1); two variants."""
+    logits = r_chosen - r_rejected
+    # Llama 2 (Touvron et al. 2023, eq. 2; there m depends on the rating): asks for a gap
+    # wider than m between the two rewards.
+    if margin:
+        logits = logits - margin
+    loss = -F.logsigmoid(logits)
+    # TRL's center_rewards_coefficient (Eisenstein et al. 2023): pulls the rewards'
+    # mean to 0, which the loss alone leaves free (it sees only differences).
+    if center_coef:
+        loss = loss + center_coef * (r_chosen + r_rejected) ** 2
+    return loss
 
 
 def pair_rewards(model, query, chosen, rejected, pad_token_id, eos_token_id, ctx):
-    """Rewards (B,), (B,) of the chosen and rejected responses to queries (B, Tq): one forward."""
-    pad, eos, width = pad_token_id, eos_token_id, max(chosen.size(1), rejected.size(1))
-    response = torch.cat([F.pad(r, (0, width - r.size(1)), value=pad) for r in (chosen, rejected)])
+    """Rewards (B,), (B,) of the chosen and rejected responses to queries (B, Tq), in one
+    forward pass."""
+    pad = pad_token_id
+    eos = eos_token_id
+    # Both responses in one batch: the shorter one padded to the longer one's width.
+    width = max(chosen.size(1), rejected.size(1))
+    chosen = F.pad(chosen, (0, width - chosen.size(1)), value=pad)
+    rejected = F.pad(rejected, (0, width - rejected.size(1)), value=pad)
+    response = torch.cat([chosen, rejected])
     query, response = gpt2.trim_padding(query.repeat(2, 1), response, pad, eos)  # (2B, T)
     with ctx:
-        return gpt2.get_reward(model, query, response, pad, eos).float().chunk(2)
+        rewards = gpt2.get_reward(model, query, response, pad, eos)
+    return rewards.float().chunk(2)
 
 
 def normalization(scores):
@@ -111,35 +159,60 @@ def lr_at(step, args):
 
 @torch.no_grad()
 def normalize(model, queries, args, meta, bf16, ctx):
-    """Set the model's gain and bias: mean 0, std 1 over its rewards of the --model policy's answers
-    to --norm_samples queries (N, Tq) at --norm_temperature; ranks share one seeded noise tensor."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    n, length = args.norm_samples, args.response_length
-    pad, eos = meta["pad_token_id"], meta["eos_token_id"]
-    device, local, rollouts = next(model.parameters()).device, n // world_size, []
-    rng = np.random.default_rng([args.seed, *b"norm"])  # a stream of its own
+    """Set the model's gain and bias: mean 0, std 1 over its rewards of the --model policy's
+    answers to --norm_samples queries (N, Tq) at --norm_temperature. The ranks share one
+    seeded noise tensor."""
+    rank, world_size = 0, 1
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    n = args.norm_samples
+    local = n // world_size
+    length = args.response_length
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+    device = next(model.parameters()).device
+    # A random stream of its own: the queries, and the sampling noise of all ranks.
+    rng = np.random.default_rng([args.seed, *b"norm"])
     queries = queries[rng.choice(len(queries), n, replace=n > len(queries))]  # (N, Tq)
     noise = torch.from_numpy(rng.random((n, length), dtype=np.float32)).to(device)
-    torch.manual_seed(args.seed)  # `--model tiny`: the init the reward model's backbone had
-    policy = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16, frozen=True))
-    raw, normed = torch.zeros(2, n, dtype=torch.float64, device=device)  # rank r fills its rows
+    # With `--model tiny`, the init the reward model's backbone had.
+    torch.manual_seed(args.seed)
+    frozen_shard = partial(shard, device=device, bf16=bf16, frozen=True)
+    policy = gpt2.load(args.model, meta, shard=frozen_shard)
+    # Rank r fills its rows of the raw and normalised scores; all_reduce joins them.
+    raw = torch.zeros(n, dtype=torch.float64, device=device)
+    normed = torch.zeros(n, dtype=torch.float64, device=device)
+    rollouts = []
     model.eval()
-    for i in data.progress(range(0, local, args.micro_batch_size), "normalisation", show=MASTER):
-        rows = slice(rank * local + i, rank * local + min(i + args.micro_batch_size, local))
-        query, temperature = torch.from_numpy(queries[rows]).to(device), args.norm_temperature
+    temperature = args.norm_temperature
+    starts = range(0, local, args.micro_batch_size)
+    for i in data.progress(starts, "normalisation", show=MASTER):
+        first = rank * local + i
+        end = rank * local + min(i + args.micro_batch_size, local)
+        rows = slice(first, end)
+        query = torch.from_numpy(queries[rows]).to(device)
         with ctx:
             rollout = gpt2.generate(policy, query, pad, length, eos, temperature, noise[rows])
-            raw[rows] = gpt2.get_reward(model, rollout.query, rollout.response, pad, eos).double()
+            rewards = gpt2.get_reward(model, rollout.query, rollout.response, pad, eos)
+        raw[rows] = rewards.double()
         rollouts.append((rows, rollout.query, rollout.response))
-    model.reward_gain, model.reward_bias = normalization(all_reduce(raw))  # all ranks' rows
-    for rows, query, response in rollouts:  # scored again: a check that gain and bias apply
+    # The gain and bias from every rank's raw scores.
+    model.reward_gain, model.reward_bias = normalization(all_reduce(raw))
+    # Scored again: a check that the gain and bias apply.
+    for rows, query, response in rollouts:
         with ctx:
-            normed[rows] = gpt2.get_reward(model, query, response, pad, eos).double()
+            rewards = gpt2.get_reward(model, query, response, pad, eos)
+        normed[rows] = rewards.double()
     all_reduce(normed)
     model.train()
-    moments = lambda x: (x.mean().item(), x.std(correction=0).item())
-    names = ("norm/raw_mean", "norm/raw_std", "norm/gain", "norm/bias", "norm/mean", "norm/std")
-    return dict(zip(names, (*moments(raw), model.reward_gain, model.reward_bias, *moments(normed))))
+    return {
+        "norm/raw_mean": raw.mean().item(),
+        "norm/raw_std": raw.std(correction=0).item(),
+        "norm/gain": model.reward_gain,
+        "norm/bias": model.reward_bias,
+        "norm/mean": normed.mean().item(),
+        "norm/std": normed.std(correction=0).item(),
+    }
 
 
 def all_reduce(x):
@@ -147,6 +220,13 @@ def all_reduce(x):
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_dict(sums):
+    """{name: scalar tensor} summed over ranks in one collective -> {name: float}."""
+    names = list(sums)
+    total = all_reduce(torch.stack([sums[name].float() for name in names]))
+    return dict(zip(names, total.tolist()))
 
 
 def shard(model, device, bf16, frozen=False):
@@ -172,8 +252,74 @@ def shard(model, device, bf16, frozen=False):
     return fully_shard(model, mp_policy=root_mp)
 
 
+def check_args(args):
+    """Every numeric flag's range, before any heavy work: a bad one stops the run with one
+    line that names the flag and the fix, not a traceback (or a non-finite loss) later."""
+    sizes = [
+        "total_steps",
+        "batch_size",
+        "micro_batch_size",
+        "response_length",
+        "eval_every",
+        "log_every",
+    ]
+    for name in sizes:
+        value = getattr(args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
+        if value < 1:
+            raise RunError(f"--{name} {value}: must be 1 or more; {fix}")
+    # 0 means something for these: no warmup, all pairs, no normalisation, no eval,
+    # the newest checkpoint only.
+    counts = [
+        "seed",
+        "warmup_steps",
+        "max_train_pairs",
+        "norm_samples",
+        "eval_size",
+        "keep_checkpoints",
+    ]
+    for name in counts:
+        value = getattr(args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
+        if value < 0:
+            raise RunError(f"--{name} {value}: must be 0 or more; {fix}")
+    # nan compares false with everything, so it would pass the range checks below.
+    floats = [
+        "lr",
+        "min_lr_ratio",
+        "weight_decay",
+        "max_grad_norm",
+        "margin",
+        "center_rewards_coef",
+        "norm_temperature",
+    ]
+    for name in floats:
+        value = getattr(args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
+        if not math.isfinite(value):
+            raise RunError(f"--{name} {value}: not a finite number; {fix}")
+    if args.lr < 0:
+        raise RunError(f"--lr {args.lr}: must be 0 or more; pass e.g. --lr {Args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        ratio = args.min_lr_ratio
+        raise RunError(f"--min_lr_ratio {ratio}: a fraction of --lr; pass 0 to 1, e.g. 0.1")
+    if args.weight_decay < 0:
+        decay = args.weight_decay
+        raise RunError(f"--weight_decay {decay}: must be 0 or more; pass e.g. 0")
+    if args.max_grad_norm <= 0:
+        norm = args.max_grad_norm
+        raise RunError(f"--max_grad_norm {norm}: clips every update to 0; pass e.g. 1")
+    if args.center_rewards_coef < 0:
+        coef = args.center_rewards_coef
+        raise RunError(f"--center_rewards_coef {coef}: must be 0 or more; pass e.g. 0.01 (TRL's)")
+    if args.norm_temperature <= 0:
+        temp = args.norm_temperature
+        raise RunError(f"--norm_temperature {temp}: must be more than 0; pass e.g. 0.7 (PPO's)")
+
+
 def main(args: Args):
     # 1. flags, sizes, distributed setup, seeds
+    check_args(args)
     if args.model == "runs/sft/latest" and not os.path.isdir(args.model):
         raise RunError("no SFT model at runs/sft/latest: run `python sft.py`, or pass --model")
     rank, world_size, device = setup_distributed()
@@ -182,85 +328,153 @@ def main(args: Args):
     grad_accum = data.exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
     data.exact_div(args.norm_samples, world_size, "--norm_samples or the ranks")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
-    torch.manual_seed(args.seed)  # the score head's init (and a `tiny` backbone's)
+    # With bf16 off, autocast is a no-op.
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    # The score head's init (and a `tiny` backbone's).
+    torch.manual_seed(args.seed)
 
     # 2. data
     meta = data.load_meta(args.data)
-    train, test = data.load_split(args.data, "pref_train"), data.load_split(args.data, "pref_test")
-    pad, eos, n_train = meta["pad_token_id"], meta["eos_token_id"], len(train["query"])
-    n_train = min(args.max_train_pairs or n_train, n_train)
+    train = data.load_split(args.data, "pref_train")
+    test = data.load_split(args.data, "pref_test")
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+    n_train = len(train["query"])
+    if args.max_train_pairs:
+        n_train = min(args.max_train_pairs, n_train)
     if n_train < args.batch_size:
         raise RunError(f"{n_train} training pairs (--max_train_pairs) are fewer than --batch_size")
-    train_lengths = data.response_lengths(train, n_train, eos).to(device)  # (n, 2), for tokens/s
+    # The length of each pair's two responses, for tokens/s.
+    train_lengths = data.response_lengths(train, n_train, eos).to(device)  # (n_train, 2)
 
-    # 3. the reward model (the SFT backbone, a fresh head), then the run directory, optimizer
-    model = gpt2.load(args.model, meta, head="new", shard=lambda m: shard(m, device, bf16))
+    # 3. the reward model (SFT backbone, fresh head), then the run directory, optimizer
+    model_shard = partial(shard, device=device, bf16=bf16)
+    model = gpt2.load(args.model, meta, head="new", shard=model_shard)
     data.check_context(train, model.config.block_size, args.response_length)
-    args.out_dir = start_run(args, "reward")  # after the model: a bad --model leaves none
+    # After the model: a bad --model leaves no run directory.
+    args.out_dir = start_run(args, "reward")
     model.activation_checkpointing = args.activation_checkpointing
+    # Weight decay on matrices only, not on biases and LayerNorms.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay)]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0, fused=True)
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0,
+        fused=True,
+    )
     forward_model = torch.compile(model) if args.compile else model
-    models = {"model": (model, optimizer)}  # gain and bias travel in the model's config.json
-    start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
+    # The gain and bias travel in the model's config.json.
+    models = {"model": (model, optimizer)}
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.out_dir, models)["step"]
 
-    def pair_sums(model, split, idx):  # (4,): summed loss, correct pairs, r_chosen, r_rejected
-        batch = data.split_tensors(split, idx, device)  # query, chosen, rejected
-        r_chosen, r_rejected = pair_rewards(model, *batch, pad, eos, ctx)
-        loss = preference_loss(r_chosen, r_rejected, args.margin, args.center_rewards_coef).sum()
-        return torch.stack([loss, (r_chosen > r_rejected).sum(), r_chosen.sum(), r_rejected.sum()])
+    def pair_losses(model, split, idx):
+        """Per-pair losses (B,) and rewards (B,), (B,) of the pairs `idx` of a split."""
+        query, chosen, rejected = data.split_tensors(split, idx, device)
+        r_chosen, r_rejected = pair_rewards(model, query, chosen, rejected, pad, eos, ctx)
+        losses = preference_loss(
+            r_chosen, r_rejected, margin=args.margin, center_coef=args.center_rewards_coef
+        )
+        return losses, r_chosen, r_rejected
 
-    def evaluate():  # pair loss and accuracy (raw scores) of the first --eval_size pref_test pairs
-        n = min(args.eval_size, len(test["query"])) // world_size * world_size  # equal shares
-        idx, sums = np.arange(rank, n, world_size), torch.zeros(4, device=device)
+    def evaluate():
+        """Pair loss and accuracy (raw scores) of the first --eval_size test pairs."""
+        # Equal shares: rank r takes every world_size-th pair.
+        n = min(args.eval_size, len(test["query"])) // world_size * world_size
+        idx = np.arange(rank, n, world_size)
+        sums = {
+            "loss": torch.zeros((), device=device),
+            "correct": torch.zeros((), device=device),
+        }
         model.eval()
         with torch.no_grad():
-            for i in data.progress(range(0, len(idx), micro_batch_size), "eval", show=MASTER):
-                sums += pair_sums(model, test, idx[i : i + micro_batch_size])
+            starts = range(0, len(idx), micro_batch_size)
+            for i in data.progress(starts, "eval", show=MASTER):
+                mb_idx = idx[i : i + micro_batch_size]
+                losses, r_chosen, r_rejected = pair_losses(model, test, mb_idx)
+                sums["loss"] += losses.sum()
+                sums["correct"] += (r_chosen > r_rejected).sum()
         model.train()
-        loss, correct = all_reduce(sums)[:2].tolist()
-        return {"eval/loss": loss / max(n, 1), "eval/accuracy": correct / max(n, 1)}
+        totals = all_reduce_dict(sums)
+        return {
+            "eval/loss": totals["loss"] / max(n, 1),
+            "eval/accuracy": totals["correct"] / max(n, 1),
+        }
 
-    # 4. training loop: rank r takes its slice of each step's global batch (data.batch_indices)
+    # 4. training loop: rank r takes its slice of each step's global batch
     t0, tokens = time.time(), torch.zeros((), device=device)
-    show = ("train/loss", "train/accuracy", "eval/accuracy", "norm/gain", "perf/tokens_per_sec")
+    show = (
+        "train/loss",
+        "train/accuracy",
+        "eval/accuracy",
+        "norm/gain",
+        "perf/tokens_per_sec",
+    )
     for step in range(start, args.total_steps):
         batch_idx = data.batch_indices(args.seed, step, n_train, args.batch_size)
         local_idx = batch_idx[rank * local_batch_size :][:local_batch_size]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         # 4a. the loss over micro-batches; FSDP2 reduces the gradients on the last one
-        sums = torch.zeros(4, device=device)  # loss, correct pairs, r_chosen, r_rejected
+        names = ["loss", "correct", "chosen", "rejected"]
+        sums = {name: torch.zeros((), device=device) for name in names}
         for micro, mb_idx in enumerate(np.split(local_idx, grad_accum)):
             if dist.is_initialized():
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
-            mb_sums = pair_sums(forward_model, train, mb_idx)
-            (mb_sums[0] * world_size / args.batch_size).backward()  # FSDP2 averages over ranks
-            sums += mb_sums.detach()
-        tokens += train_lengths[local_idx].sum() + 2 * int((train["query"][local_idx] != pad).sum())
+            losses, r_chosen, r_rejected = pair_losses(forward_model, train, mb_idx)
+            loss_sum = losses.sum()
+            # FSDP2 averages gradients over ranks: times world_size makes the global mean.
+            (loss_sum * world_size / args.batch_size).backward()
+            with torch.no_grad():
+                sums["loss"] += loss_sum
+                sums["correct"] += (r_chosen > r_rejected).sum()
+                sums["chosen"] += r_chosen.sum()
+                sums["rejected"] += r_rejected.sum()
+        # Tokens read: both responses, and the query once with each.
+        query_tokens = int((train["query"][local_idx] != pad).sum())
+        tokens += train_lengths[local_idx].sum() + 2 * query_tokens
         # 4b. clip (the returned norm is the global one, before clipping) and step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # Under FSDP2 the norm is a DTensor: its full value.
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         done = step + 1
-        loss, accuracy, chosen, rejected = (all_reduce(sums) / args.batch_size).tolist()
+        totals = all_reduce_dict(sums)
+        loss = totals["loss"] / args.batch_size
         if not math.isfinite(loss) or not torch.isfinite(grad_norm):
             raise RunError(f"non-finite loss or grad norm at step {done}: lower --lr (or --resume)")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        # 4c. log, evaluate (raw scores); after the last step, normalise on the policy's samples
+        # 4c. log and evaluate (raw scores); after the last step, normalise the rewards
+        # on the policy's samples
         eval_now = done % args.eval_every == 0 or done == args.total_steps
         if done % args.log_every == 0 or step == start or eval_now:
-            metrics = {"train/loss": loss, "train/accuracy": accuracy, "rewards/chosen": chosen}
-            metrics |= {"rewards/rejected": rejected, "rewards/margins": chosen - rejected}
-            metrics |= {"train/grad_norm": grad_norm.item(), "train/lr": lr_at(step, args)}
-            metrics["perf/tokens_per_sec"] = all_reduce(tokens).item() / (time.time() - t0)
-            metrics |= evaluate() if eval_now and args.eval_size > 0 else {}
+            chosen = totals["chosen"] / args.batch_size
+            rejected = totals["rejected"] / args.batch_size
+            elapsed = time.time() - t0
+            metrics = {
+                "train/loss": loss,
+                "train/accuracy": totals["correct"] / args.batch_size,
+                "rewards/chosen": chosen,
+                "rewards/rejected": rejected,
+                "rewards/margins": chosen - rejected,
+                "train/grad_norm": grad_norm.item(),
+                "train/lr": lr_at(step, args),
+                "perf/tokens_per_sec": all_reduce(tokens).item() / elapsed,
+            }
+            if eval_now and args.eval_size > 0:
+                metrics |= evaluate()
             if done == args.total_steps and args.norm_samples > 0:
-                metrics |= normalize(model, train["query"][:n_train], args, meta, bf16, ctx)
+                pool = train["query"][:n_train]
+                metrics |= normalize(model, pool, args, meta, bf16, ctx)
             log_metrics(args.out_dir, done, metrics, show)
             t0, tokens = time.time(), torch.zeros((), device=device)
         checkpoint(args, done, models, device, due=eval_now)

@@ -1,18 +1,20 @@
 """Supervised fine-tuning (SFT) of GPT-2 on prompt → response pairs: the first stage of RLHF.
 
 Stiennon et al. 2020 ("Learning to summarize from human feedback") and Ouyang et al. 2022
-(InstructGPT) start RLHF from a policy fine-tuned with next-token cross-entropy on demonstrations.
-The loss is on the response tokens only, up to and including the stop token, so that the model
-learns to stop. It is normalised by the response tokens of the whole global batch, so that 1 rank
-and N ranks, and any micro-batch split, make the same update. Eval from step 0 (docs/metrics.md):
-the loss, greedy accuracy and the implicit reward's preference accuracy, where the data has them.
+(InstructGPT) start RLHF from a policy fine-tuned with next-token cross-entropy on
+demonstrations. The loss is on the response tokens only, up to and including the stop
+token, so that the model learns to stop. It is normalised by the response tokens of the
+whole global batch, so that 1 rank and N ranks, and any micro-batch split, make the same
+update. Eval from step 0 (docs/metrics.md): the loss, greedy accuracy and the implicit
+reward's preference accuracy, where the data has them.
 
-    python sft.py                                    # tiny GPT-2 from scratch, offline arithmetic
-    torchrun --nproc_per_node=2 sft.py               # the same run, FSDP2 over 2 ranks
-    python sft.py --model gpt2 --data runs/data/gsm8k --lr 1e-5   # pretrained GPT-2, prepped data
-    python sft.py --resume --out_dir runs/sft/<run>  # continue a run from its last checkpoint
+    python sft.py                            # tiny GPT-2 from scratch, offline arithmetic
+    torchrun --nproc_per_node=2 sft.py       # the same run, FSDP2 over 2 ranks
+    python sft.py --model gpt2 --data runs/data/gsm8k --lr 1e-5   # pretrained GPT-2
+    python sft.py --resume --out_dir runs/sft/<run>   # continue from its last checkpoint
 
-A run writes runs/sft/<time>-s<seed>/; runs/sft/latest, the next stages' input, links the last one.
+A run writes runs/sft/<time>-s<seed>/; runs/sft/latest, the next stages' input, links the
+last one.
 """
 
 import atexit
@@ -27,6 +29,8 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -40,29 +44,52 @@ import gpt2
 
 @dataclass
 class Args:
-    model: str = "tiny"  # `tiny` (random init), a GPT-2 preset (pretrained) or a checkpoint dir
-    data: str = "arithmetic"  # `arithmetic` (built-in, offline) or a dir from `python -m data.prep`
-    out_dir: str = ""  # run directory; default a fresh runs/sft/<time>-s<seed>
-    overwrite: bool = False  # delete the run already in --out_dir and start afresh
-    resume: bool = False  # continue the run in --out_dir from its last complete checkpoint
-    seed: int = 1  # seed of the init and the data order (the same on every rank)
-    lr: float = 3e-3  # peak learning rate (tiny from scratch: 3e-3; pretrained GPT-2: ~1e-5)
-    warmup_steps: int = 100  # linear warmup steps, then cosine decay to lr * min_lr_ratio
-    min_lr_ratio: float = 0.1  # the final learning rate as a fraction of lr
-    weight_decay: float = 0.0  # AdamW weight decay on matrices (not on biases and LayerNorms)
-    max_grad_norm: float = 1.0  # gradient clipping threshold on the global gradient norm
-    total_steps: int = 1000  # optimizer steps
-    batch_size: int = 128  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 32  # sequences per forward pass on one rank
-    response_length: int = 16  # max new tokens when generating for eval accuracy
-    eval_every: int = 100  # steps between evals and checkpoints
-    eval_size: int = 500  # held-out examples for the eval loss and accuracy (0: no eval)
-    log_every: int = 10  # steps between status lines and metrics rows
-    keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (at least 1)
-    dtype: str = "auto"  # `auto` (bf16 on CUDA, fp32 on CPU), `float32` or `bfloat16`
-    compile: bool = False  # torch.compile the model
-    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
-    wandb: bool = False  # also log to Weights & Biases (imported only when set)
+    model: str = "tiny"
+    """`tiny` (random init), a GPT-2 preset (pretrained) or a checkpoint dir"""
+    data: str = "arithmetic"
+    """`arithmetic` (built-in, offline) or a dir from `python -m data.prep`"""
+    out_dir: str = ""
+    """run directory; default a fresh runs/sft/<time>-s<seed>"""
+    overwrite: bool = False
+    """delete the run already in --out_dir and start afresh"""
+    resume: bool = False
+    """continue the run in --out_dir from its last complete checkpoint"""
+    seed: int = 1
+    """seed of the init and the data order (the same on every rank)"""
+    lr: float = 3e-3
+    """peak learning rate (tiny from scratch: 3e-3; pretrained GPT-2: ~1e-5)"""
+    warmup_steps: int = 100
+    """linear warmup steps, then cosine decay to lr * min_lr_ratio"""
+    min_lr_ratio: float = 0.1
+    """the final learning rate as a fraction of lr"""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices (not on biases and LayerNorms)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold on the global gradient norm"""
+    total_steps: int = 1000
+    """optimizer steps"""
+    batch_size: int = 128
+    """sequences per optimizer step, over all ranks"""
+    micro_batch_size: int = 32
+    """sequences per forward pass on one rank"""
+    response_length: int = 16
+    """max new tokens when generating for eval accuracy"""
+    eval_every: int = 100
+    """steps between evals and checkpoints"""
+    eval_size: int = 500
+    """held-out examples for the eval loss and accuracy (0: no eval)"""
+    log_every: int = 10
+    """steps between status lines and metrics rows"""
+    keep_checkpoints: int = 2
+    """resumable checkpoints kept in out_dir/checkpoints (at least 1)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU"""
+    compile: bool = False
+    """torch.compile the model"""
+    activation_checkpointing: bool = False
+    """recompute block activations in backward to save memory"""
+    wandb: bool = False
+    """also log to Weights & Biases (imported only when set)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,10 +97,14 @@ class Args:
 
 
 def sft_loss_sums(model, query, response, ctx):
-    """Summed NLL of the response tokens (to and including the stop token), and their count."""
+    """Summed NLL of the response tokens, and their count: the tokens up to and including
+    the stop token, so that the model learns to stop."""
     with ctx:
-        logprobs = gpt2.logprobs(model, query, response)[0]  # (B, Tr), 0 past the stop token
-    return -logprobs.sum(), gpt2.response_mask(response, model.config.eos_token_id).sum()
+        # Each token's log-probability; 0 past the stop token.
+        logprobs = gpt2.logprobs(model, query, response)[0]  # (B, Tr)
+    nll_sum = -logprobs.sum()
+    count = gpt2.response_mask(response, model.config.eos_token_id).sum()
+    return nll_sum, count
 
 
 def lr_at(step, args):
@@ -117,22 +148,74 @@ def shard(model, device, bf16, frozen=False):
     return fully_shard(model, mp_policy=root_mp)
 
 
+def check_args(args):
+    """Every numeric flag's range, before any heavy work: a bad one stops the run with one
+    line that names the flag and the fix, not a traceback (or a non-finite loss) later."""
+    sizes = [
+        "total_steps",
+        "batch_size",
+        "micro_batch_size",
+        "response_length",
+        "eval_every",
+        "log_every",
+    ]
+    for name in sizes:
+        value = getattr(args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
+        if value < 1:
+            raise RunError(f"--{name} {value}: must be 1 or more; {fix}")
+    # 0 means something for these: no warmup, no eval, the newest checkpoint only.
+    counts = ["seed", "warmup_steps", "eval_size", "keep_checkpoints"]
+    for name in counts:
+        value = getattr(args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
+        if value < 0:
+            raise RunError(f"--{name} {value}: must be 0 or more; {fix}")
+    # nan compares false with everything, so it would pass the range checks below.
+    floats = ["lr", "min_lr_ratio", "weight_decay", "max_grad_norm"]
+    for name in floats:
+        value = getattr(args, name)
+        fix = f"pass e.g. --{name} {getattr(Args, name)}"
+        if not math.isfinite(value):
+            raise RunError(f"--{name} {value}: not a finite number; {fix}")
+    if args.lr < 0:
+        raise RunError(f"--lr {args.lr}: must be 0 or more; pass e.g. --lr {Args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        ratio = args.min_lr_ratio
+        raise RunError(f"--min_lr_ratio {ratio}: a fraction of --lr; pass 0 to 1, e.g. 0.1")
+    if args.weight_decay < 0:
+        decay = args.weight_decay
+        raise RunError(f"--weight_decay {decay}: must be 0 or more; pass e.g. 0")
+    if args.max_grad_norm <= 0:
+        norm = args.max_grad_norm
+        raise RunError(f"--max_grad_norm {norm}: clips every update to 0; pass e.g. 1")
+
+
 def main(args: Args):
-    # 1. sizes, distributed setup, seeds
+    # 1. flags, sizes, distributed setup, seeds
+    check_args(args)
     rank, world_size, device = setup_distributed()
     local_batch_size = data.exact_div(args.batch_size, world_size, "--batch_size or the ranks")
     micro_batch_size = min(args.micro_batch_size, local_batch_size)
     grad_accum = data.exact_div(local_batch_size, micro_batch_size, "--micro_batch_size")
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # off: a no-op
+    # With bf16 off, autocast is a no-op.
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     torch.manual_seed(args.seed)
 
     # 2. data, and the held-out preference pairs where the dataset has them
     meta = data.load_meta(args.data)
-    train, test = data.load_split(args.data, "sft_train"), data.load_split(args.data, "sft_test")
-    prompts = data.load_split(args.data, "prompt_test") if meta.get("task") else None
-    pairs = data.eval_split(args.data, "pref_test", args.eval_size)  # None where absent
-    pad, eos, n_train = meta["pad_token_id"], meta["eos_token_id"], len(train["query"])
+    train = data.load_split(args.data, "sft_train")
+    test = data.load_split(args.data, "sft_test")
+    # Greedy accuracy needs a task that checks the answers.
+    prompts = None
+    if meta.get("task"):
+        prompts = data.load_split(args.data, "prompt_test")
+    # None where the dataset has no preference pairs.
+    pairs = data.eval_split(args.data, "pref_test", args.eval_size)
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+    n_train = len(train["query"])
     n_test = min(args.eval_size, len(test["query"]))
     test_tokens = data.response_lengths(test, n_test, eos, data.RESPONSE).sum().item()
     n_pairs = len(pairs["query"]) if pairs else 0
@@ -140,22 +223,37 @@ def main(args: Args):
         raise RunError(f"sft_train has {n_train} examples: lower --batch_size {args.batch_size}")
 
     # 3. model, then the run directory (a bad --model leaves none), optimizer
-    model = gpt2.load(args.model, meta, shard=lambda m: shard(m, device, bf16))
+    model_shard = partial(shard, device=device, bf16=bf16)
+    model = gpt2.load(args.model, meta, shard=model_shard)
     data.check_context(train, model.config.block_size)
     args.out_dir = start_run(args, "sft")
     model.activation_checkpointing = args.activation_checkpointing
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # not biases and LayerNorms
+    # Weight decay on matrices only, not on biases and LayerNorms.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay)]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0, fused=True)
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0,
+        fused=True,
+    )
     forward_model = torch.compile(model) if args.compile else model
     models = {"model": (model, optimizer)}
-    # the implicit reward's reference: the starting model, scored before a resume loads weights
+    # The implicit reward's reference: the starting model, scored before a resume loads
+    # its weights.
     ref_logps = data.split_logprobs(model, pairs, n_pairs, micro_batch_size, ctx)  # (n_pairs, 2)
-    start = load_checkpoint(args.out_dir, models)["step"] if args.resume else 0
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.out_dir, models)["step"]
 
     def evaluate():
-        """Loss per response token, preference accuracy (0.5 at step 0) and greedy accuracy."""
+        """The loss per response token, the implicit reward's preference accuracy (0.5 at
+        step 0) and greedy accuracy."""
         logps = data.split_logprobs(model, test, n_test, micro_batch_size, ctx, data.RESPONSE)
         out = {"eval/loss": -logps.sum().item() / test_tokens}
         if n_pairs:
@@ -163,40 +261,55 @@ def main(args: Args):
             out["eval/preference_accuracy"] = data.preference_accuracy(logps, ref_logps)
         if prompts is not None:
             out["eval/accuracy"] = data.greedy_accuracy(
-                model, prompts, meta, args.eval_size, micro_batch_size, args.response_length, ctx
+                model,
+                prompts,
+                meta,
+                eval_size=args.eval_size,
+                batch_size=micro_batch_size,
+                response_length=args.response_length,
+                ctx=ctx,
             )
         return out
 
     show = ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_sec")
-    if start == 0 and args.eval_size > 0:  # the starting model
+    # Step 0: the starting model, before any update.
+    if start == 0 and args.eval_size > 0:
         log_metrics(args.out_dir, 0, evaluate(), show)
 
-    # 4. training loop: one permutation of the data per epoch, keyed by (seed, epoch); rank r takes
-    # its slice of each global batch, so any number of ranks sees the same global batches
+    # 4. training loop: one permutation of the data per epoch, keyed by (seed, epoch);
+    # rank r takes its slice of each global batch, so any number of ranks sees the same
+    # global batches
     t0, tokens = time.time(), torch.zeros((), device=device)
     for step in range(start, args.total_steps):
         batch_idx = data.batch_indices(args.seed, step, n_train, args.batch_size)
         local_idx = batch_idx[rank * local_batch_size :][:local_batch_size]
         b_query, b_response = data.split_tensors(train, local_idx, device, data.RESPONSE)
-        # 4a. normalise by the global count of response tokens: the same update at any rank count
-        n_tokens = all_reduce(gpt2.response_mask(b_response, eos).sum().float())
+        # 4a. normalise by the global count of response tokens: the same update at any
+        # number of ranks
+        local_tokens = gpt2.response_mask(b_response, eos).sum().float()
+        n_tokens = all_reduce(local_tokens)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        # 4b. forward and backward over micro-batches; FSDP2 reduces gradients on the last one
+        # 4b. forward and backward over micro-batches; FSDP2 reduces the gradients on the
+        # last one
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
             s = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
             if dist.is_initialized():
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
             nll_sum, count = sft_loss_sums(forward_model, b_query[s], b_response[s], ctx)
-            # FSDP2 averages gradients over ranks: times world_size makes sum / global count
+            # FSDP2 averages gradients over ranks: times world_size gives sum / global count.
             (nll_sum * world_size / n_tokens).backward()
-            loss_sum += nll_sum.detach()
-            tokens += count + (b_query[s] != pad).sum()
+            with torch.no_grad():
+                loss_sum += nll_sum
+                tokens += count + (b_query[s] != pad).sum()
         # 4c. clip (the returned norm is the global one, before clipping) and step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        done, loss = step + 1, all_reduce(loss_sum) / n_tokens
+        # Under FSDP2 the norm is a DTensor: its full value.
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        done = step + 1
+        loss = all_reduce(loss_sum) / n_tokens
         if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
             raise RunError(f"non-finite loss or grad norm at step {done}: lower --lr (or --resume)")
         optimizer.step()
@@ -205,11 +318,12 @@ def main(args: Args):
         # 4d. log, evaluate, checkpoint
         eval_now = done % args.eval_every == 0 or done == args.total_steps
         if done % args.log_every == 0 or step == start or eval_now:
+            elapsed = time.time() - t0
             metrics = {
                 "train/loss": loss.item(),
                 "train/grad_norm": grad_norm.item(),
                 "train/lr": lr_at(step, args),
-                "perf/tokens_per_sec": all_reduce(tokens.float()).item() / (time.time() - t0),
+                "perf/tokens_per_sec": all_reduce(tokens.float()).item() / elapsed,
             }
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
@@ -217,7 +331,8 @@ def main(args: Args):
             t0, tokens = time.time(), torch.zeros((), device=device)
         checkpoint(args, done, models, device, due=eval_now)
 
-    # 5. the final model in the HF GPT-2 layout, where reward.py, dpo.py, ppo.py and grpo.py look
+    # 5. the final model in the HF GPT-2 layout, where the next stages (reward.py, dpo.py,
+    # ppo.py, grpo.py) look
     gpt2.save(model, args.out_dir)
     finish_run(args, "sft")
 

@@ -199,6 +199,9 @@ def test_missing_default_sft_model_is_a_one_line_error(tmp_path):
         (["--model", "/nonexistent"], "no checkpoint at"),
         (["--resume"], "no complete checkpoint in"),
         (["--max_train_pairs", "8"], "8 training pairs"),
+        (["--lr", "-1"], "--lr -1.0: must be 0 or more"),
+        (["--batch_size", "0"], "--batch_size 0: must be 1 or more"),
+        (["--norm_temperature", "nan"], "--norm_temperature nan: not a finite number"),
     ],
 )
 def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):

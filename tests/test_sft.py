@@ -191,12 +191,15 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
         (["--resume"], "'{x}' is not one"),  # a mistyped run dir
         (["--resume", "--out_dir", ""], "--resume needs --out_dir"),
         (["--model", "runs/nonexistent"], "no checkpoint at"),
-        (["--micro_batch_size", "0"], "does not divide by 0"),
+        (["--micro_batch_size", "0"], "--micro_batch_size 0: must be 1 or more"),
+        (["--batch_size", "0"], "--batch_size 0: must be 1 or more"),
+        (["--lr", "-1"], "--lr -1.0: must be 0 or more"),
+        (["--min_lr_ratio", "nan"], "--min_lr_ratio nan: not a finite number"),
     ],
 )
 def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
     p = run(["--total_steps", "2", "--out_dir", str(tmp_path / "x"), *flags], check=False)
-    assert p.returncode != 0 and not (tmp_path / "x").exists()  # no run dir to --overwrite later
+    assert p.returncode == 1 and not (tmp_path / "x").exists()  # no run dir to --overwrite later
     assert (
         expected.format(x=tmp_path / "x") in p.stderr
         and "Traceback" not in p.stderr
