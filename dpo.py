@@ -159,14 +159,12 @@ def check_args(args):
     if not (math.isfinite(args.beta) and args.beta > 0):
         raise RunError(f"--beta {args.beta}: must be above 0; drop it for the loss's default")
 
-    # rates and scales: finite (nan is neither above nor below 0) and above 0
-    for flag in ("lr", "max_grad_norm"):
-        value = getattr(args, flag)
-        default = getattr(Args, flag)
-        if not (math.isfinite(value) and value > 0):
-            raise RunError(f"--{flag} {value}: must be above 0; try the default {default}")
-    # weights and margins: finite, and 0 turns them off
-    for flag in ("weight_decay", "simpo_gamma", "rpo_alpha"):
+    # finite (nan is neither above nor below 0); a gradient clip of 0 would stop training
+    norm = args.max_grad_norm
+    if not (math.isfinite(norm) and norm > 0):
+        raise RunError(f"--max_grad_norm {norm}: must be above 0; try the default 1.0")
+    # rates, weights and margins: finite, and 0 turns them off
+    for flag in ("lr", "weight_decay", "simpo_gamma", "rpo_alpha"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value >= 0):
             raise RunError(f"--{flag} {value}: must be 0 or more; 0 turns it off")
@@ -190,13 +188,10 @@ def check_args(args):
         raise RunError(f"--eval_every {args.eval_every}: at least 1; no eval is --eval_size 0")
     if args.log_every < 1:
         raise RunError(f"--log_every {args.log_every}: at least 1; pass 1 to log every step")
-    if args.keep_checkpoints < 1:
-        n = args.keep_checkpoints
-        raise RunError(f"--keep_checkpoints {n}: --resume needs one; pass 1 or more")
     if args.seed < 0:
         raise RunError(f"--seed {args.seed}: numpy takes no negative seed; pass 0 or more")
     # counts that may be 0
-    for flag in ("warmup_steps", "max_train_pairs", "eval_size"):
+    for flag in ("warmup_steps", "max_train_pairs", "eval_size", "keep_checkpoints"):
         value = getattr(args, flag)
         default = getattr(Args, flag)
         if value < 0:

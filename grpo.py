@@ -312,12 +312,12 @@ def check_args(args):
     # whole numbers: sizes and intervals from 1, and from 0 where 0 means none or off
     at_least_1 = ["total_episodes", "num_prompts_per_step", "num_minibatches"]
     at_least_1 += ["num_epochs", "micro_batch_size", "response_length", "eval_every"]
-    at_least_1 += ["log_every", "keep_checkpoints"]
+    at_least_1 += ["log_every"]
     for flag in at_least_1:
         value = getattr(args, flag)
         if value < 1:
             raise RunError(f"--{flag} {value}: must be at least 1; pass a whole number")
-    at_least_0 = ["seed", "overlong_buffer", "max_sampling_rounds"]
+    at_least_0 = ["seed", "overlong_buffer", "max_sampling_rounds", "keep_checkpoints"]
     at_least_0 += ["rejection_sampling_candidates", "eval_size", "eval_samples"]
     for flag in at_least_0:
         value = getattr(args, flag)

@@ -346,7 +346,7 @@ def check_args(args):
 
     sizes = ["total_episodes", "batch_size", "num_minibatches", "num_ppo_epochs"]
     sizes += ["micro_batch_size", "response_length", "kl_horizon"]
-    sizes += ["eval_every", "log_every", "keep_checkpoints"]
+    sizes += ["eval_every", "log_every"]
     for flag in sizes:
         if getattr(args, flag) < 1:
             raise bad_flag(flag, "must be at least 1")
@@ -354,6 +354,8 @@ def check_args(args):
         raise bad_flag("seed", "must be at least 0")
     if args.eval_size < 0:
         raise bad_flag("eval_size", "must be at least 0 (0: no eval)")
+    if args.keep_checkpoints < 0:
+        raise bad_flag("keep_checkpoints", "must be at least 0 (0: the newest only)")
     # Coefficients and rates. `not value >= 0` is also true for NaN.
     for flag in ["lr", "kl_coef", "vf_coef", "entropy_coef", "entropy_coef_delta"]:
         value = getattr(args, flag)

@@ -225,7 +225,7 @@ def all_reduce(x):
 def all_reduce_dict(sums):
     """{name: scalar tensor} summed over ranks in one collective -> {name: float}."""
     names = list(sums)
-    total = all_reduce(torch.stack([sums[name].float() for name in names]))
+    total = all_reduce(torch.stack([sums[name].double() for name in names]))
     return dict(zip(names, total.tolist()))
 
 

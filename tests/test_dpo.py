@@ -335,7 +335,7 @@ def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
     "flag, value",
     [("--lr", "-1"), ("--batch_size", "0"), ("--beta", "nan"), ("--max_grad_norm", "inf")]
     + [("--micro_batch_size", "0"), ("--label_smoothing", "0.5"), ("--rpo_alpha", "nan")]
-    + [("--min_lr_ratio", "2"), ("--eval_every", "0"), ("--keep_checkpoints", "0")]
+    + [("--min_lr_ratio", "2"), ("--eval_every", "0"), ("--keep_checkpoints", "-1")]
     + [("--seed", "-1"), ("--warmup_steps", "-1"), ("--simpo_gamma", "-inf")],
 )
 def test_out_of_range_flags_give_one_line_errors(tmp_path, flag, value):
