@@ -14,7 +14,7 @@ tempered distribution); a minibatch takes an equal share of each group, at any r
     python grpo.py --clip_eps_high 0.28 --dynamic_sampling --overlong_buffer 4  # DAPO
     python grpo.py --scale_rewards none --loss_aggregation dr_grpo             # Dr. GRPO
     python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
-    python grpo.py --reward_model runs/reward/latest --no-verifier --data DIR  # a learned reward
+    python grpo.py --reward_model runs/reward/latest --no_verifier --data DIR  # a learned reward
     python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
@@ -264,11 +264,17 @@ def loss_weights(mask, aggregation):
 
 
 def adaptive_entropy_coef(coef, entropy, target, delta):
-    """Skywork-OR1 (arXiv 2505.22312) adaptive entropy control after a step of token mean entropy
-    `entropy`: coef + delta below the target, coef - delta above, at least 0. Also the coefficient
-    the next step applies: none while above the target (the paper's indicator, TRL's gate)."""
-    coef = max(0.0, coef + delta if entropy < target else coef - delta)
-    return coef, coef if entropy <= target else 0.0
+    """Skywork-OR1 (arXiv 2505.22312) adaptive entropy control, after a step of token mean
+    entropy `entropy`: the coefficient rises by delta below the target, falls by delta above
+    it, and stays at least 0. Also the coefficient the next step applies: none while the
+    entropy is above the target (the paper's indicator, TRL's gate)."""
+    if entropy < target:
+        coef = coef + delta
+    else:
+        coef = coef - delta
+    coef = max(0.0, coef)
+    applied = coef if entropy <= target else 0.0
+    return coef, applied
 
 
 def rows_of_every_rank(v, rank, world_size):
@@ -435,7 +441,7 @@ def main(args: Args):
     n_train = len(train["query"])
     use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
     if not (use_verifier or args.reward_model):
-        raise RunError("no reward: no verifier (for this task, or --no-verifier): --reward_model")
+        raise RunError("no reward: no verifier (for this task, or --no_verifier): --reward_model")
     if args.eval_samples and not use_verifier:
         raise RunError("--eval_samples scores with the task's verifier: this run has none")
     if n_train < num_prompts:

@@ -27,7 +27,7 @@ ranks make the same update with --num_minibatches 1. Options as in grpo.py:
 pref_test exists.
 
     python ppo.py                      # from runs/sft/latest and runs/reward/latest
-    python ppo.py --no-adaptive_kl --kl_coef 0.05            # a fixed KL coefficient
+    python ppo.py --no_adaptive_kl --kl_coef 0.05            # a fixed KL coefficient
     torchrun --nproc_per_node=2 ppo.py                       # FSDP2 over 2 ranks
     python ppo.py --model runs/sft/<run> --reward_model runs/reward/<run> --data DIR
     python ppo.py --resume --out_dir runs/ppo/<run>          # continue a run
@@ -217,11 +217,17 @@ def penalised_scores(scores, response, eos_token_id, penalty):
 
 
 def adaptive_entropy_coef(coef, entropy, target, delta):
-    """Skywork-OR1 (arXiv 2505.22312) adaptive entropy control after a step of token mean entropy
-    `entropy`: coef + delta below the target, coef - delta above, at least 0. Also the coefficient
-    the next step applies: none while above the target (the paper's indicator, TRL's gate)."""
-    coef = max(0.0, coef + delta if entropy < target else coef - delta)
-    return coef, coef if entropy <= target else 0.0
+    """Skywork-OR1 (arXiv 2505.22312) adaptive entropy control, after a step of token mean
+    entropy `entropy`: the coefficient rises by delta below the target, falls by delta above
+    it, and stays at least 0. Also the coefficient the next step applies: none while the
+    entropy is above the target (the paper's indicator, TRL's gate)."""
+    if entropy < target:
+        coef = coef + delta
+    else:
+        coef = coef - delta
+    coef = max(0.0, coef)
+    applied = coef if entropy <= target else 0.0
+    return coef, applied
 
 
 def forward_values(model, query, response, pad_token_id, eos_token_id):

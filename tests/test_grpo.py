@@ -558,7 +558,7 @@ BAD = {  # flags: the error
     "--rejection_sampling_candidates 2": "--rejection_sampling_candidates 2: fewer than",
     "--rso_temperature 0": "--rso_temperature 0.0: must be > 0",
     "--overlong_buffer 5": "--overlong_buffer 5: more than --response_length 4",
-    "--no-verifier --reward_model /x --eval_samples 2": "--eval_samples scores with the task's verifier",
+    "--no_verifier --reward_model /x --eval_samples 2": "--eval_samples scores with the task's verifier",
 }
 
 

@@ -287,7 +287,7 @@ def test_tiny_run_learns_what_the_reward_model_prefers(models, tmp_path):
         "1e-3",
         "--kl_coef",
         "0.01",
-        "--no-adaptive_kl",
+        "--no_adaptive_kl",
         "--penalty_reward_value",
         "None",
     ]
