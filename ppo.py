@@ -601,7 +601,7 @@ def main(args: Args):
         # Sums over the tokens of every epoch and minibatch, in float64.
         token_sums = defaultdict(float)
         shuffle = np.random.default_rng([args.seed, update, 3])
-        for epoch in range(args.num_ppo_epochs):  # noqa: B007
+        for epoch in range(args.num_ppo_epochs):
             permutation = torch.from_numpy(shuffle.permutation(local_batch_size))
             for mb_idx in permutation.split(local_mini_batch_size):
                 n_tokens = all_reduce(b_mask[mb_idx].sum().float())
