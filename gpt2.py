@@ -78,11 +78,12 @@ def sdpa_contexts():
 
 # ---- Model
 class KVCache:
-    """Every layer's keys and values (L, 2, B, H, S, hd), in the compute dtype.
+    """Every layer's keys and values, (B, H, S, hd) each, in the compute dtype.
 
     S is fixed for a whole generation, so a decode step has the same shapes and addresses at
     every token. cols (T,) is a device tensor of the columns the next forward writes, updated in
-    place; width is how many columns attention reads.
+    place; width is how many columns attention reads. One tensor per layer and kind, written in
+    place (not views of one buffer), so that torch.compile updates them without copies.
     """
 
     def __init__(self, n_layer, size):
@@ -90,18 +91,20 @@ class KVCache:
         self.size = size
         self.width = size
         self.cols = None
-        self.kv = None
+        self.keys = []
+        self.values = []
 
     def update(self, layer, k, v):
         """Store k, v (B, H, T, hd) at columns cols; return the keys and values of width columns."""
-        if self.kv is None:
+        if not self.keys:
             B, H, _, hd = k.shape
             # Zeros, not garbage: unwritten columns are masked, and 0 * NaN would be NaN.
-            self.kv = k.new_zeros(self.n_layer, 2, B, H, self.size, hd)
-        self.kv[layer, 0].index_copy_(2, self.cols, k)
-        self.kv[layer, 1].index_copy_(2, self.cols, v)
-        keys = self.kv[layer, 0, :, :, : self.width]
-        values = self.kv[layer, 1, :, :, : self.width]
+            self.keys = [k.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
+            self.values = [v.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
+        self.keys[layer].index_copy_(2, self.cols, k)
+        self.values[layer].index_copy_(2, self.cols, v)
+        keys = self.keys[layer][:, :, : self.width]
+        values = self.values[layer][:, :, : self.width]
         return keys, values
 
 
