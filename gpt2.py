@@ -426,6 +426,7 @@ def decode_step(model, s: Decoding):
     # The token fed now is real: its column joins the attention mask.
     s.real.index_fill_(1, s.col, True)
     attn_mask = s.real[:, None, None, : s.cache.width]  # (B, 1, 1, S)
+    # The prefill wrote columns 0..Tq-1; a step writes the one column of its token.
     s.cache.cols = s.col
     logits = model.body(s.token, s.pos, attn_mask, s.cache)[:, -1]  # (B, V)
     s.pos += 1
@@ -538,8 +539,8 @@ def generate(
                 graph.replay()
             else:
                 # On CPU attention reads the live columns only: the CPU kernel's sums depend
-                # on the column count, and this count keeps the bits of a cache-free forward.
-                # Elsewhere all columns, as the graph does, so that the two compare bitwise.
+                # on the column count, and this count keeps the bits of the generate this
+                # step replaced. Elsewhere all columns, as the graph does: they compare bitwise.
                 s.cache.width = Tq + t if device.type == "cpu" else size
                 decode_step(model, s)
             # done.all() syncs with the host: free on CPU, so every step; on GPU every 8.

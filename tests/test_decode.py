@@ -186,6 +186,24 @@ def test_no_graph_breaks_in_the_training_forward_and_the_decode_step():
     torch._dynamo.reset()
 
 
+def test_sdpa_kernel_is_entered_once_per_forward(monkeypatch):
+    """Each entry costs host time: once around the blocks, not once per block."""
+    entries = []
+    sdpa_kernel_of_torch = gpt2.sdpa_kernel
+
+    def counted(backends):
+        entries.append(backends)
+        return sdpa_kernel_of_torch(backends)
+
+    monkeypatch.setattr(gpt2, "sdpa_kernel", counted)
+    model, query = tiny_model(), batch()[1]
+    with torch.no_grad():
+        model(query, query != PAD)
+        assert len(entries) == 1
+        gpt2.generate(model, query, PAD, 5, temperature=0.0)
+    assert len(entries) == 1 + 5  # the prefill and 4 decode steps
+
+
 class Ops(TorchDispatchMode):
     """The aten ops run, with the data pointers of _to_copy's inputs."""
 
