@@ -380,8 +380,10 @@ class Decoding:
     temperature: float
 
 
-def new_decoding(model, B, size, n, pad, eos, temperature, dtype, device):
-    """A Decoding of B rows, size cache columns and n new tokens."""
+def new_decoding(model, noise, size, pad, eos, temperature, dtype):
+    """A Decoding for noise's (B, n) shape, device and dtype, with size cache columns."""
+    B, n = noise.shape
+    device = noise.device
     cache = KVCache(model.config.n_layer, size)
     index = torch.zeros(B, 1, dtype=torch.long, device=device)
     return Decoding(
@@ -392,7 +394,7 @@ def new_decoding(model, B, size, n, pad, eos, temperature, dtype, device):
         t=torch.zeros(1, dtype=torch.long, device=device),
         real=torch.zeros(B, size, dtype=torch.bool, device=device),
         done=torch.zeros(B, dtype=torch.bool, device=device),
-        noise=torch.zeros(B, n, device=device),
+        noise=noise.new_zeros(B, n),
         response=torch.full((B, n), pad, dtype=dtype, device=device),
         logprobs=torch.zeros(B, n, device=device),
         pad=pad,
@@ -452,7 +454,8 @@ def captured_step(model, s: Decoding):
         autocast_dtype = torch.get_autocast_dtype("cuda")
     B, size = s.real.shape
     n = s.noise.size(1)
-    shape = (B, size, n, s.pad, s.eos, s.temperature, s.response.dtype, autocast_dtype)
+    dtypes = (s.noise.dtype, s.response.dtype, autocast_dtype)
+    shape = (B, size, n, s.pad, s.eos, s.temperature, dtypes)
     weights = [p.data_ptr() for p in model.parameters()]
     graphs = GRAPHS.setdefault(model, {})
     if shape in graphs and graphs[shape][0] == weights:
@@ -502,19 +505,19 @@ def generate(
         raise ValueError(f"{Tq + n} tokens exceed the context of {model.config.block_size}")
     if noise is None:
         noise = torch.rand(B, n, device=device)
+    # Only the first n columns are read, should the caller's noise be wider.
+    noise = noise[:, :n]
     real = query != pad_token_id  # (B, Tq)
     # The cache's columns: rounded up to a multiple of 64, so that few shapes occur.
     size = -(-(Tq + n) // 64) * 64
     s = new_decoding(
         model,
-        B=B,
+        noise=noise,
         size=size,
-        n=n,
         pad=pad_token_id,
         eos=eos_token_id,
         temperature=temperature,
         dtype=query.dtype,
-        device=device,
     )
     graph = None
     with unsharded(model):

@@ -157,12 +157,13 @@ def test_generate_equals_the_replaced_generate_at_the_benchmark_shape():
 def prefilled(model, query, n, temperature=1.0):
     """A Decoding after the prompt, as generate has it before the decode loop (full width)."""
     B, Tq = query.shape
-    s = gpt2.new_decoding(model, B, 64, n, PAD, PAD, temperature, query.dtype, query.device)
+    noise = torch.rand(B, n, generator=torch.Generator().manual_seed(5))
+    s = gpt2.new_decoding(model, noise, 64, PAD, PAD, temperature, query.dtype)
     real = query != PAD
     s.real[:, :Tq] = real
     s.pos.copy_(real.sum(1, keepdim=True))
     s.col.fill_(Tq)
-    s.noise.uniform_()
+    s.noise.copy_(noise)
     with torch.no_grad():
         gpt2.sample(s, model(query, real, s.cache, keep_from=Tq - 1)[:, -1])
     s.cache.width = s.cache.size
