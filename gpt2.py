@@ -3,7 +3,7 @@
 It keeps GPT-2's own module names and (in, out) weight layout, so weights move to and from
 Hugging Face as they are. Beyond nanoGPT's model.py:
 - positions come from the attention mask, so left padding changes no logit;
-- generation with a KV cache;
+- generation with a KV cache, one fixed-shape decode step per token (a CUDA graph on GPU);
 - log-probs of given responses, a chunk of logits at a time;
 - scalar heads (reward, value);
 - load and save of plain or FSDP2-sharded models in the HF safetensors layout.
