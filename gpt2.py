@@ -3,7 +3,7 @@
 It keeps GPT-2's own module names and (in, out) weight layout, so weights move to and from
 Hugging Face as they are. Beyond nanoGPT's model.py:
 - positions come from the attention mask, so left padding changes no logit;
-- generation with a KV cache;
+- generation with a KV cache, one fixed-shape decode step per token (a CUDA graph on GPU);
 - log-probs of given responses, a chunk of logits at a time;
 - scalar heads (reward, value);
 - load and save of plain or FSDP2-sharded models in the HF safetensors layout.
@@ -13,7 +13,8 @@ import ctypes
 import json
 import math
 import os
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -70,23 +71,41 @@ FP32_HEAD = os.environ.get("GPT2_FP32_HEAD", "1") != "0"
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def sdpa_contexts():
+    """checkpoint's contexts: none around the forward, SDPA_BACKENDS around the recomputation."""
+    return nullcontext(), sdpa_kernel(SDPA_BACKENDS)
+
+
 # ---- Model
-class LayerCache:
-    """One layer's keys and values (2, B, H, max_len, hd), allocated in the compute dtype."""
+class KVCache:
+    """Every layer's keys and values, (B, H, S, hd) each, in the compute dtype.
 
-    def __init__(self, max_len):
-        self.max_len = max_len
-        self.kv = None
+    S is fixed for a whole generation, so a decode step has the same shapes and addresses at
+    every token. cols (T,) is a device tensor of the columns the next forward writes, updated in
+    place; width is how many columns attention reads. One tensor per layer and kind, written in
+    place (not views of one buffer), so that torch.compile updates them without copies.
+    """
 
-    def update(self, k, v, pos):
-        """Store k, v (B, H, T, hd) at positions pos.. and return all keys and values so far."""
-        if self.kv is None:
+    def __init__(self, n_layer, size):
+        self.n_layer = n_layer
+        self.size = size
+        self.width = size
+        self.cols = None
+        self.keys = []
+        self.values = []
+
+    def update(self, layer, k, v):
+        """Store k, v (B, H, T, hd) at columns cols; return the keys and values of width columns."""
+        if not self.keys:
             B, H, _, hd = k.shape
-            self.kv = k.new_empty(2, B, H, self.max_len, hd)
-        end = pos + k.size(2)
-        self.kv[0, :, :, pos:end] = k
-        self.kv[1, :, :, pos:end] = v
-        return self.kv[0, :, :, :end], self.kv[1, :, :, :end]
+            # Zeros, not garbage: unwritten columns are masked, and 0 * NaN would be NaN.
+            self.keys = [k.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
+            self.values = [v.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
+        self.keys[layer].index_copy_(2, self.cols, k)
+        self.values[layer].index_copy_(2, self.cols, v)
+        keys = self.keys[layer][:, :, : self.width]
+        values = self.values[layer][:, :, : self.width]
+        return keys, values
 
 
 class Conv1D(nn.Module):
@@ -112,7 +131,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(C, eps=eps)
         self.mlp = nn.ModuleDict(dict(c_fc=Conv1D(C, 4 * C), c_proj=Conv1D(4 * C, C)))
 
-    def forward(self, x, attn_mask, kv_cache=None, pos=0):
+    def forward(self, x, attn_mask, kv_cache=None, layer=0):
         B, T, C = x.shape
         qkv = self.attn.c_attn(self.ln_1(x))
         q, k, v = qkv.split(C, dim=2)
@@ -120,11 +139,11 @@ class Block(nn.Module):
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v, pos)
-        # No mask means no padding: the causal kernel.
+            k, v = kv_cache.update(layer, k, v)
+        # No mask means no padding: the causal kernel. The backends are chosen once per
+        # forward, around the blocks (GPT.body).
         is_causal = attn_mask is None
-        with sdpa_kernel(SDPA_BACKENDS):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal)
         y = y.transpose(1, 2).reshape(B, T, C)
         x = x + self.attn.c_proj(y)
         # The tanh approximation of GELU: GPT-2's gelu_new.
@@ -165,42 +184,41 @@ class GPT(nn.Module):
     def forward(self, idx, attention_mask=None, kv_cache=None, hidden=False, keep_from=0):
         """The logits (B, T', V), or hidden states (B, T', C), of positions keep_from.. of idx.
 
-        idx (B, T): tokens. attention_mask (B, pos + T): 1 for a real token, 0 for padding,
-        after pos steps already in kv_cache; None: no padding. No dropout: RL needs the same
-        logits in every pass.
+        idx (B, T): tokens. attention_mask (B, T): 1 for a real token, 0 for padding; None: no
+        padding, and the causal kernel with no mask. A mask is always used as given: whether
+        every token is real is the callers' to say (it takes a host sync, which they already
+        make in _trim). kv_cache: a KVCache whose columns 0..T-1 the keys and values fill. No
+        dropout: RL needs the same logits in every pass.
         """
         B, T = idx.shape
         device = idx.device
-        pos = 0 if attention_mask is None else attention_mask.size(1) - T
-        if pos + T > self.config.block_size:
-            raise ValueError(f"{pos + T} tokens exceed block_size {self.config.block_size}")
-        no_padding = attention_mask is None or (pos == 0 and bool(attention_mask.all()))
-        if no_padding:
-            # The causal kernel needs no mask.
+        if T > self.config.block_size:
+            raise ValueError(f"{T} tokens exceed block_size {self.config.block_size}")
+        if kv_cache is not None:
+            kv_cache.cols = torch.arange(T, device=device)
+            kv_cache.width = T
+        if attention_mask is None:
             position_ids = torch.arange(T, device=device).expand(B, T)
-            attn_mask = None
-        else:
-            # Positions count the real tokens only, so left padding changes nothing.
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-            q_idx = torch.arange(pos, pos + T, device=device)[:, None]  # (T, 1)
-            k_idx = torch.arange(pos + T, device=device)[None, :]  # (1, S)
-            real = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
-            # Causal and not padding; and always itself, so that a pad row is never all -inf,
-            # which SDPA turns into NaN.
-            attn_mask = ((k_idx <= q_idx) & real) | (k_idx == q_idx)  # (B, 1, T, S)
+            return self.body(idx, position_ids, None, kv_cache, hidden, keep_from)
+        # Positions count the real tokens only, so left padding changes nothing.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        q_idx = torch.arange(T, device=device)[:, None]  # (T, 1)
+        k_idx = torch.arange(T, device=device)[None, :]  # (1, T)
+        real = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+        # Causal and not padding; and always itself, so that a pad row is never all -inf,
+        # which SDPA turns into NaN.
+        attn_mask = ((k_idx <= q_idx) & real) | (k_idx == q_idx)  # (B, 1, T, T)
+        return self.body(idx, position_ids, attn_mask, kv_cache, hidden, keep_from)
+
+    def body(self, idx, position_ids, attn_mask, kv_cache=None, hidden=False, keep_from=0):
+        """forward's work, from given positions (B, T) and attention mask (B, 1, T, S) or None."""
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (B, T, C)
         x = tok_emb + pos_emb
-        blocks = self.transformer.h
-        caches = kv_cache or [None] * len(blocks)
-        for block, cache in zip(blocks, caches):
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, attn_mask, cache, pos, use_reentrant=False)
-            elif not self.hooks:
-                # No FSDP2 hooks: cast to the blocks' dtype, as FSDP2's would.
-                x = block.forward(x.to(block.ln_1.weight.dtype), attn_mask, cache, pos)
-            else:
-                x = block(x, attn_mask, cache, pos)
+        # Entered once per forward, not per block: each entry costs host time.
+        with sdpa_kernel(SDPA_BACKENDS):
+            for layer, block in enumerate(self.transformer.h):
+                x = self.block(block, x, attn_mask, kv_cache, layer)
         x = x[:, keep_from:]
         if self.fp32_head:
             x = x.float()
@@ -208,6 +226,16 @@ class GPT(nn.Module):
         if hidden:
             return x
         return self.logits(x)
+
+    def block(self, block, x, attn_mask, kv_cache, layer):
+        """One block: recomputed in backward, or hook-free inside `unsharded`, or plainly."""
+        if self.activation_checkpointing and self.training:
+            # The recomputation runs in backward, outside body's sdpa_kernel: it enters its own.
+            return checkpoint(block, x, attn_mask, use_reentrant=False, context_fn=sdpa_contexts)
+        if not self.hooks:
+            # No FSDP2 hooks: cast to the blocks' dtype, as FSDP2's would.
+            return block.forward(x.to(block.ln_1.weight.dtype), attn_mask, kv_cache, layer)
+        return block(x, attn_mask, kv_cache, layer)
 
     def logits(self, x):  # (..., C) -> (..., n_logits)
         w = self.lm_head.weight[: self.n_logits]
@@ -271,13 +299,29 @@ def response_mask(response, eos_token_id):
 
 def trim_padding(query, response, pad_token_id, eos_token_id=None):
     """Drop the left-pad columns every query has and the columns past every response's stop."""
-    start = (query != pad_token_id).any(0).int().argmax()
+    query, response, _ = _trim(query, response, pad_token_id, eos_token_id)
+    return query, response
+
+
+def _trim(query, response, pad_token_id, eos_token_id=None):
+    """trim_padding's query and response, and whether query + response[:, :-1] (the teacher-forced
+    input) then holds no padding at all, so that the forward needs no mask: one host sync."""
+    real = query != pad_token_id  # (B, Tq)
+    start = real.any(0).int().argmax()
+    # No query padding is left if the shortest query fills every column from start on.
+    unpadded = real.sum(1).min() + start == query.size(1)
+    stats = [start, unpadded]
+    if eos_token_id is not None:
+        lengths = response_mask(response, eos_token_id).sum(1)  # (B,)
+        end = lengths.max()
+        # The input's response tokens are real if no row stops before column end - 1.
+        stats += [end, lengths.min() >= end - 1]
+    # One host sync for all.
+    stats = torch.stack(stats).tolist()
+    query = query[:, stats[0] :]
     if eos_token_id is None:
-        return query[:, int(start) :], response
-    end = response_mask(response, eos_token_id).sum(1).max()
-    # One host sync for both.
-    start, end = torch.stack([start, end]).tolist()
-    return query[:, start:], response[:, :end]
+        return query, response, bool(stats[1])
+    return query, response[:, : stats[2]], bool(stats[1] and stats[3])
 
 
 @contextmanager
@@ -315,50 +359,203 @@ class Rollout(NamedTuple):
     logprobs: torch.Tensor  # (B, Tr) under logits / temperature, 0 past the stop
 
 
+@dataclass
+class Decoding:
+    """A generation's state on the device. Every tensor keeps its shape and address and is
+    updated in place, so that a decode step is the same computation at every token: what a
+    CUDA graph or torch.compile needs. Nothing in it is read by the host but done."""
+
+    cache: KVCache
+    token: torch.Tensor  # (B, 1) the token fed next
+    pos: torch.Tensor  # (B, 1) its position: the count of real tokens before it
+    col: torch.Tensor  # (1,) its column in the cache
+    t: torch.Tensor  # (1,) the response index sampled next
+    real: torch.Tensor  # (B, S) bool: the cache columns that hold a real token
+    done: torch.Tensor  # (B,) bool: the rows past their stop token
+    noise: torch.Tensor  # (B, n) the uniforms the sampler inverts
+    response: torch.Tensor  # (B, n)
+    logprobs: torch.Tensor  # (B, n)
+    pad: int
+    eos: int | None
+    temperature: float
+
+
+def new_decoding(model, noise, size, pad, eos, temperature, dtype):
+    """A Decoding for noise's (B, n) shape, device and dtype, with size cache columns."""
+    B, n = noise.shape
+    device = noise.device
+    cache = KVCache(model.config.n_layer, size)
+    index = torch.zeros(B, 1, dtype=torch.long, device=device)
+    return Decoding(
+        cache=cache,
+        token=index.clone(),
+        pos=index.clone(),
+        col=torch.zeros(1, dtype=torch.long, device=device),
+        t=torch.zeros(1, dtype=torch.long, device=device),
+        real=torch.zeros(B, size, dtype=torch.bool, device=device),
+        done=torch.zeros(B, dtype=torch.bool, device=device),
+        noise=noise.new_zeros(B, n),
+        response=torch.full((B, n), pad, dtype=dtype, device=device),
+        logprobs=torch.zeros(B, n, device=device),
+        pad=pad,
+        eos=eos,
+        temperature=temperature,
+    )
+
+
+def sample(s: Decoding, logits):
+    """Sample response token s.t from logits (B, V); record it, its log-prob and the stops."""
+    u = s.noise.index_select(1, s.t).squeeze(1)  # (B,)
+    token = sample_token(logits, u, s.temperature)
+    # Greedy's log-probs (temperature 0) are those of the logits themselves.
+    logp = torch.log_softmax(logits.float() / (s.temperature or 1.0), -1)
+    token_logp = logp.gather(-1, token[:, None])  # (B, 1)
+    # A row that has stopped gets padding, and log-prob 0.
+    response = torch.where(s.done, s.pad, token).to(s.response.dtype)
+    s.response.index_copy_(1, s.t, response[:, None])
+    s.logprobs.index_copy_(1, s.t, token_logp.masked_fill(s.done[:, None], 0))
+    if s.eos is not None:
+        s.done |= token == s.eos
+    s.token.copy_(token[:, None])
+    s.t += 1
+
+
+def decode_step(model, s: Decoding):
+    """Feed every row's last token, sample the next: fixed shapes, in place, no host sync.
+
+    The same Python runs eagerly, under torch.compile, or captured once in a CUDA graph.
+    """
+    # The token fed now is real: its column joins the attention mask.
+    s.real.index_fill_(1, s.col, True)
+    attn_mask = s.real[:, None, None, : s.cache.width]  # (B, 1, 1, S)
+    # The prefill wrote columns 0..Tq-1; a step writes the one column of its token.
+    s.cache.cols = s.col
+    logits = model.body(s.token, s.pos, attn_mask, s.cache)[:, -1]  # (B, V)
+    s.pos += 1
+    s.col += 1
+    sample(s, logits)
+
+
+# The decode steps captured in CUDA graphs, per model and per shape.
+GRAPHS = weakref.WeakKeyDictionary()
+
+
+def captured_step(model, s: Decoding):
+    """The decode step of a state like s captured in a CUDA graph, with the state it reads and
+    writes: cached per model and shape (a cached one replaces s).
+
+    The graph reads the weights where they were at capture. An optimizer step updates them in
+    place, at the same addresses, so later replays read the new values; the autocast casts are
+    captured too (the cache off), so they are redone from the new weights at every replay.
+    Weights that moved (`.to()`, an FSDP2 gather into new storage) give a new capture.
+    """
+    autocast_dtype = None
+    if torch.is_autocast_enabled("cuda"):
+        autocast_dtype = torch.get_autocast_dtype("cuda")
+    B, size = s.real.shape
+    n = s.noise.size(1)
+    dtypes = (s.noise.dtype, s.response.dtype, autocast_dtype)
+    shape = (B, size, n, s.pad, s.eos, s.temperature, dtypes)
+    weights = [p.data_ptr() for p in model.parameters()]
+    graphs = GRAPHS.setdefault(model, {})
+    if shape in graphs and graphs[shape][0] == weights:
+        return graphs[shape][1:]
+    s.cache.width = size
+    # A cast cached outside the graph would be freed while the graph still reads it.
+    no_cache = torch.autocast(
+        "cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False
+    )
+    # One eager step first, on a side stream (torch's advice): it allocates the KV cache and
+    # initialises the libraries. Its writes are junk that each call's reset overwrites.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), no_cache:
+        decode_step(model, s)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # Capture records the kernels and runs none of them.
+    with torch.cuda.graph(graph), no_cache:
+        decode_step(model, s)
+    graphs[shape] = (weights, graph, s)
+    return graph, s
+
+
 @torch.no_grad()
 def generate(
-    model, query, pad_token_id, max_new_tokens, eos_token_id=None, temperature=1.0, noise=None
+    model,
+    query,
+    pad_token_id,
+    max_new_tokens,
+    eos_token_id=None,
+    temperature=1.0,
+    noise=None,
+    cuda_graph=True,
 ) -> Rollout:
     """Sample responses (B, max_new_tokens) to left-padded queries (B, Tq) with a KV cache.
 
     noise: the (B, max_new_tokens) uniforms the sampler inverts; the scripts pass a slice of one
-    global tensor, so that N ranks sample as one.
+    global tensor, so that N ranks sample as one. cuda_graph: on CUDA, replay the decode step
+    from a CUDA graph, captured at the first call of each shape.
     """
-    query = trim_padding(query, None, pad_token_id)[0]
+    query, _, unpadded = _trim(query, None, pad_token_id)
     B, Tq = query.shape
+    n = max_new_tokens
     device = query.device
-    total = Tq + max_new_tokens
-    if total > model.config.block_size:
-        raise ValueError(f"{total} tokens exceed the context of {model.config.block_size}")
+    if Tq + n > model.config.block_size:
+        raise ValueError(f"{Tq + n} tokens exceed the context of {model.config.block_size}")
     if noise is None:
-        noise = torch.rand(B, max_new_tokens, device=device)
-    # The attention mask: the queries' real tokens, then every response token.
-    mask = F.pad(query != pad_token_id, (0, max_new_tokens), value=True)
-    response = torch.full((B, max_new_tokens), pad_token_id, dtype=query.dtype, device=device)
-    logprobs = torch.zeros(B, max_new_tokens, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+        noise = torch.rand(B, n, device=device)
+    # Only the first n columns are read, should the caller's noise be wider.
+    noise = noise[:, :n]
+    real = query != pad_token_id  # (B, Tq)
+    # The cache's columns: rounded up to a multiple of 64, so that few shapes occur.
+    size = -(-(Tq + n) // 64) * 64
+    s = new_decoding(
+        model,
+        noise=noise,
+        size=size,
+        pad=pad_token_id,
+        eos=eos_token_id,
+        temperature=temperature,
+        dtype=query.dtype,
+    )
+    graph = None
     with unsharded(model):
-        kv_cache = [LayerCache(total) for _ in range(model.config.n_layer)]
-        # The whole query at the first step, then the token sampled last.
-        inputs = query
-        for t in range(max_new_tokens):
-            attention_mask = mask[:, : Tq + t]
-            keep_from = inputs.size(1) - 1
-            logits = model(inputs, attention_mask, kv_cache, keep_from=keep_from)[:, -1]  # (B, V)
-            token = sample_token(logits, noise[:, t], temperature)
-            # A row that has stopped gets padding, and log-prob 0.
-            response[:, t] = torch.where(done, pad_token_id, token)
-            # Greedy's log-probs (temperature 0) are those of the logits themselves.
-            logp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)
-            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
-            logprobs[:, t] = token_logp.masked_fill(done, 0)
-            if eos_token_id is not None:
-                done |= token == eos_token_id
-                # done.all() syncs with the host: free on CPU, so every step; on GPU every 8.
-                if device.type == "cpu" or t % 8 == 7:
-                    if done.all():
-                        break
-            inputs = token[:, None]
+        if cuda_graph and device.type == "cuda":
+            graph, s = captured_step(model, s)
+        # The state of this call, written in place.
+        s.real.zero_()
+        s.real[:, :Tq] = real
+        s.pos.copy_(real.sum(1, keepdim=True))
+        s.col.fill_(Tq)
+        s.t.zero_()
+        s.done.zero_()
+        s.noise.copy_(noise)
+        s.response.fill_(pad_token_id)
+        s.logprobs.zero_()
+        # The whole query at once: its keys and values, and the first token.
+        attention_mask = None if unpadded else real
+        logits = model(query, attention_mask, s.cache, keep_from=Tq - 1)[:, -1]  # (B, V)
+        sample(s, logits)
+        for t in range(1, n):
+            if graph is not None:
+                graph.replay()
+            else:
+                # On CPU attention reads the live columns only: the CPU kernel's sums depend
+                # on the column count, and this count keeps the bits of the generate this
+                # step replaced. Elsewhere all columns, as the graph does: they compare bitwise.
+                s.cache.width = Tq + t if device.type == "cpu" else size
+                decode_step(model, s)
+            # done.all() syncs with the host: free on CPU, so every step; on GPU every 8.
+            check = device.type == "cpu" or t % 8 == 7
+            if eos_token_id is not None and check and s.done.all():
+                break
+    response = s.response
+    logprobs = s.logprobs
+    if graph is not None:
+        # The next call writes into the same buffers.
+        response = response.clone()
+        logprobs = logprobs.clone()
     # With no stop token, every response token counts: -1 is no token.
     stop = -1 if eos_token_id is None else eos_token_id
     mask = response_mask(response, stop)
@@ -424,11 +621,14 @@ def logprobs(model, query, response, temperature=1.0, entropy=False):
     pad = model.config.pad_token_id
     eos = model.config.eos_token_id
     # Only the columns that matter: no shared left padding, nothing past the last stop.
-    query, trimmed = trim_padding(query, response, pad, eos)
+    query, trimmed, unpadded = _trim(query, response, pad, eos)
     mask = response_mask(trimmed, eos)  # (B, Tr')
     # Token t + 1 is predicted at position t.
     inputs = torch.cat([query, trimmed[:, :-1]], 1)
-    attention_mask = torch.cat([query != pad, mask[:, :-1]], 1)
+    # With no padding, no mask: the causal kernel (FlashAttention on GPU).
+    attention_mask = None
+    if not unpadded:
+        attention_mask = torch.cat([query != pad, mask[:, :-1]], 1)
     logits = model(inputs, attention_mask, keep_from=query.size(1) - 1)  # (B, Tr', V)
     # Greedy's log-probs (temperature 0) are those of the logits, as in generate.
     t = temperature or 1.0
@@ -688,13 +888,33 @@ class OneDNNMatmul(torch.autograd.Function):
 
 def matmul(x, w, b=None, out_in=False):
     """x (..., in) @ w (in, out) + b, or x @ w.T for w (out, in); fp32 on CPU through oneDNN."""
+    # ONEDNN is decided once at import; on CUDA this is one flag and one device check.
+    if ONEDNN and not x.is_cuda:
+        y = _cpu_matmul(x, w, b, out_in)
+        if y is not None:
+            return y
+    if out_in:
+        return F.linear(x, w, b)
+    x_2d = x.reshape(-1, x.size(-1))
+    # The weight enters the GEMM as the leaf it is: autocast caches its cast of a leaf for the
+    # whole autocast region, but casts a view such as w.t() again at every call. F.linear of
+    # w.t() would run this same addmm.
+    if b is None:
+        y = torch.mm(x_2d, w)
+    else:
+        y = torch.addmm(b, x_2d, w)
+    return y.view(*x.shape[:-1], w.size(1))
+
+
+def _cpu_matmul(x, w, b, out_in):
+    """matmul on oneDNN where it pays; None where torch's own GEMM is the better choice."""
     rows = x.numel() // x.size(-1)
     big = w.numel() >= ONEDNN_MIN_WEIGHTS or rows >= ONEDNN_MIN_ROWS
-    cpu_fp32 = x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
-    # Autocast and torch.compile know F.linear, not the custom Function below.
+    fp32 = x.dtype == w.dtype == torch.float32
+    # Autocast and torch.compile know torch's GEMMs, not the custom Function below.
     eager = not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-    if not (ONEDNN and cpu_fp32 and big and eager):
-        return F.linear(x, w if out_in else w.t(), b)
+    if not (fp32 and big and eager):
+        return None
     x_2d = x.reshape(rows, x.size(-1))
     # Under no_grad (decoding), apply records no graph.
     y = OneDNNMatmul.apply(x_2d, w, b, out_in)

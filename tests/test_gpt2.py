@@ -338,9 +338,11 @@ def test_generate_calls_the_blocks_without_hooks():
 
 
 def test_no_padding_takes_the_causal_kernel_with_no_mask(monkeypatch):
-    """A mask with every token real gives the unmasked causal call (FlashAttention on GPU; no
-    mask for cuDNN's NaN case), and the same logits as the masked path of a padded twin."""
+    """Whether every token is real is decided by the callers that sync anyway (_trim), not in
+    forward: logprobs and generate of unpadded rows make the unmasked causal call (FlashAttention
+    on GPU; no mask for cuDNN's NaN case), padded twins the masked one, with the same results."""
     model, idx = tiny_model(), batch((6, 6, 6))[1]  # equal lengths: no pad
+    response = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     masks = []
     sdpa = F.scaled_dot_product_attention
 
@@ -349,10 +351,21 @@ def test_no_padding_takes_the_causal_kernel_with_no_mask(monkeypatch):
         return sdpa(q, k, v, mask, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", record)
-    full = model(idx, torch.ones_like(idx, dtype=torch.bool))
-    assert all(m is None for m in masks)
+    full = gpt2.logprobs(model, idx, response)[0]
+    prefill = gpt2.generate(model, idx, PAD, 1, temperature=0.0).response
+    assert len(masks) == 2 * len(model.transformer.h) and all(m is None for m in masks)
     padded = torch.cat([torch.full((len(idx), 2), PAD), idx], 1)
+    padded[0, 2] = PAD  # one row shorter: the pad column is not trimmed off
     masks.clear()
-    logits = model(padded, padded != PAD)[:, 2:]
-    assert all(m is not None for m in masks)
-    torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
+    short = gpt2.logprobs(model, padded, response)[0]
+    assert masks and all(m is not None for m in masks)
+    torch.testing.assert_close(short[1:], full[1:], atol=1e-5, rtol=0)
+    assert torch.equal(
+        gpt2.generate(model, padded[1:], PAD, 1, temperature=0.0).response, prefill[1:]
+    )
+    # A mask is used as given, even with every token real; on CPU it gives the causal bits.
+    with torch.no_grad():
+        masks.clear()
+        masked = model(idx, torch.ones_like(idx, dtype=torch.bool))
+        assert all(m is not None for m in masks)
+        assert torch.equal(masked, model(idx))
