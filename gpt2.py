@@ -489,13 +489,14 @@ def generate(
     eos_token_id=None,
     temperature=1.0,
     noise=None,
-    cuda_graph=True,
+    cuda_graph=False,
 ) -> Rollout:
     """Sample responses (B, max_new_tokens) to left-padded queries (B, Tq) with a KV cache.
 
     noise: the (B, max_new_tokens) uniforms the sampler inverts; the scripts pass a slice of one
     global tensor, so that N ranks sample as one. cuda_graph: on CUDA, replay the decode step
-    from a CUDA graph, captured at the first call of each shape.
+    from a CUDA graph, captured at the first call of each shape. Off by default until a GPU run
+    has checked it (tests/test_decode.py's CUDA test, docs/gpu.md).
     """
     query, _, unpadded = _trim(query, None, pad_token_id)
     B, Tq = query.shape

@@ -280,7 +280,7 @@ noise = torch.rand(64, 32, device="cuda")
 def both(eos, dtype):
     with torch.autocast("cuda", dtype, enabled=dtype is not None):
         eager = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=False)
-        graph = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise)
+        graph = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=True)
     for a, b in zip(eager, graph):
         assert torch.equal(a, b), (eos, dtype)
     return graph
