@@ -10,6 +10,7 @@ Hugging Face as they are. Beyond nanoGPT's model.py:
 """
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -63,9 +64,18 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 
-# bf16 logits lose the bits that tell the sampler's log-probs from the trainer's (MiniMax-M1's
-# train/inference mismatch), so ln_f and the heads run in fp32 unless GPT2_FP32_HEAD=0.
-FP32_HEAD = os.environ.get("GPT2_FP32_HEAD", "1") != "0"
+# The LM head, GPT2_HEAD: "fp32" (operands, sums and logits), "mixed" (bf16 operands on tensor
+# cores, fp32 sums and logits; CUDA under bf16 autocast only, fp32 elsewhere) or "bf16" (bf16
+# logits). bf16 logits lose the bits that tell the sampler's log-probs from the trainer's
+# (MiniMax-M1's train/inference mismatch).
+HEAD = os.environ.get("GPT2_HEAD", "fp32")
+# GPT2_FP32_HEAD=0 is the earlier name of GPT2_HEAD=bf16.
+if os.environ.get("GPT2_FP32_HEAD") == "0":
+    HEAD = "bf16"
+if HEAD not in ("fp32", "mixed", "bf16"):
+    raise RunError(f"GPT2_HEAD={HEAD}: expected fp32, mixed or bf16")
+# ln_f, the heads and the root's parameters in fp32: every head but bf16.
+FP32_HEAD = HEAD != "bf16"
 
 # No cuDNN: its SDPA backward can return NaN with a mask when T % 128 == 64 (pytorch#196678).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -172,6 +182,8 @@ class GPT(nn.Module):
         # The tokenizer's vocabulary: the logits stop there, so padding rows are never sampled.
         self.n_logits = cfg.vocab_size
         self.fp32_head = FP32_HEAD
+        # With fp32_head: the head's GEMM from bf16 operands, on CUDA under bf16 autocast.
+        self.mixed_head = HEAD == "mixed"
         # GPT-2's init: weights N(0, 0.02); the biases are zeros already.
         for m in self.modules():
             if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):
@@ -241,8 +253,57 @@ class GPT(nn.Module):
         w = self.lm_head.weight[: self.n_logits]
         if not self.fp32_head:
             return matmul(x, w, out_in=True)
+        # The mixed head is for CUDA's bf16 autocast; elsewhere the head is fp32.
+        cuda_bf16 = x.is_cuda and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        mixed = self.mixed_head and cuda_bf16 and torch.is_autocast_enabled("cuda")
         with torch.autocast(x.device.type, enabled=False):
+            if mixed:
+                logits = MixedHead.apply(x.flatten(0, -2), w)
+                return logits.view(*x.shape[:-1], -1)
             return matmul(x.float(), w.float(), out_in=True)
+
+
+def mm_fp32(a, b):
+    """a @ b of bf16 operands, summed and returned in fp32: tensor cores on CUDA.
+
+    No CPU kernel has this signature; on CPU (the tests) the operands widened to fp32 give the
+    same product.
+    """
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+class MixedHead(torch.autograd.Function):
+    """x (N, C) @ w (V, C).T from bf16 operands, with fp32 sums and logits: GPT2_HEAD=mixed.
+
+    The operands' rounding is the same for the sampler and the trainer; the fp32 logits keep the
+    bits that bf16 logits would lose. Inside the GEMMs w has zero rows up to a multiple of 128,
+    which keeps them on aligned tensor-core tiles; the logits are sliced back to V.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w):
+        V, C = w.shape
+        w_bf16 = w.new_zeros(V + -V % 128, C, dtype=torch.bfloat16)
+        w_bf16[:V] = w
+        x_bf16 = x.to(torch.bfloat16)
+        ctx.save_for_backward(x_bf16, w_bf16)
+        return mm_fp32(x_bf16, w_bf16.t())[:, :V]
+
+    @staticmethod
+    def backward(ctx, g):  # g (N, V) fp32
+        x_bf16, w_bf16 = ctx.saved_tensors
+        V = g.size(1)
+        # The gradient in bf16, with zero columns for w's zero rows.
+        g_bf16 = F.pad(g.to(torch.bfloat16), (0, len(w_bf16) - V))
+        gx = None
+        gw = None
+        if ctx.needs_input_grad[0]:
+            gx = mm_fp32(g_bf16, w_bf16)
+        if ctx.needs_input_grad[1]:
+            gw = mm_fp32(g_bf16.t(), x_bf16)[:V]
+        return gx, gw
 
 
 class ScalarModel(GPT):
@@ -563,6 +624,34 @@ def generate(
     return Rollout(query=query, response=response, mask=mask, logprobs=logprobs)
 
 
+def chunk_logprobs(x, y, t, with_entropy):
+    """log_softmax(x / t) of logits x (n, V) at targets y (n,); the entropy (n,) or None."""
+    # generate's formula, so the same bits.
+    logp = (x.float() / t).log_softmax(-1)
+    token_logp = logp.gather(1, y[:, None]).squeeze(1)
+    if not with_entropy:
+        return token_logp, None
+    return token_logp, -(logp.exp() * logp).sum(-1)
+
+
+def chunk_grad(x, y, t, g, g_entropy):
+    """chunk_logprobs' gradient in x (n, V), for the weights g (n, 1) and g_entropy or None."""
+    logp = (x.float() / t).log_softmax(-1)
+    # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t
+    dx = logp.exp().mul_(-g)
+    if g_entropy is not None:
+        h = -(logp.exp() * logp).sum(-1, keepdim=True)
+        dx -= g_entropy * logp.exp() * (logp + h)
+    return dx.scatter_add_(1, y[:, None], g).div_(t)
+
+
+@functools.cache
+def compiled(fn):
+    """fn under torch.compile, made at its first use. On CUDA a chunk's many passes over the
+    logits fuse into a few kernels; CPU runs the plain functions, and keeps their bits."""
+    return torch.compile(fn, dynamic=True)
+
+
 class TokenLogProbs(torch.autograd.Function):
     """log_softmax(logits / t) (N, V) at targets (N,) and, if asked, the entropy (N,).
 
@@ -580,14 +669,13 @@ class TokenLogProbs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.t = t
         ctx.n = max(1, TokenLogProbs.CHUNK // logits.size(1))
+        forward = compiled(chunk_logprobs) if logits.is_cuda else chunk_logprobs
         out = []
         entropy = []
         for x, y in zip(logits.split(ctx.n), target.split(ctx.n)):
-            # generate's formula, so the same bits.
-            logp = (x.float() / t).log_softmax(-1)
-            out.append(logp.gather(1, y[:, None]).squeeze(1))
-            if with_entropy:
-                entropy.append(-(logp.exp() * logp).sum(-1))
+            token_logp, token_entropy = forward(x, y, t, with_entropy)
+            out.append(token_logp)
+            entropy.append(token_entropy)
         if not with_entropy:
             return torch.cat(out), None
         return torch.cat(out), torch.cat(entropy)
@@ -599,16 +687,13 @@ class TokenLogProbs(torch.autograd.Function):
         n = ctx.n
         if grad is None:
             grad = torch.zeros(len(target), device=logits.device)
+        gradient = compiled(chunk_grad) if logits.is_cuda else chunk_grad
         for i, (x, y) in enumerate(zip(logits.split(n), target.split(n))):
             rows = slice(i * n, (i + 1) * n)
-            logp = (x.float() / ctx.t).log_softmax(-1)
-            g = grad[rows, None]
-            # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t
-            dx = logp.exp().mul_(-g)
+            g_entropy = None
             if grad_entropy is not None:
-                h = -(logp.exp() * logp).sum(-1, keepdim=True)
-                dx -= grad_entropy[rows, None] * logp.exp() * (logp + h)
-            x.copy_(dx.scatter_add_(1, y[:, None], g).div_(ctx.t))
+                g_entropy = grad_entropy[rows, None]
+            x.copy_(gradient(x, y, ctx.t, grad[rows, None], g_entropy))
         return logits, None, None, None
 
 

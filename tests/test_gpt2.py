@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -369,3 +371,83 @@ def test_no_padding_takes_the_causal_kernel_with_no_mask(monkeypatch):
         masked = model(idx, torch.ones_like(idx, dtype=torch.bool))
         assert all(m is not None for m in masks)
         assert torch.equal(masked, model(idx))
+
+
+def test_mixed_head_is_its_formula_padded_and_sliced():
+    """GPT2_HEAD=mixed's Function, with the CPU's fp32 stand-in for CUDA's mm(out_dtype=): logits
+    within bf16 operand rounding of the fp32 head's, and exactly the product of the rounded
+    operands; gradients those autograd gives for that product and a bf16 gradient, with the zero
+    rows that pad the vocabulary (257 -> 384) sliced off."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 16, generator=g).requires_grad_()
+    w = torch.randn(V, 16, generator=g).requires_grad_()
+    logits = gpt2.MixedHead.apply(x.flatten(0, 1), w).view(6, 5, V)
+    assert logits.dtype == torch.float32
+    # Each operand is rounded to 8 significant bits: a relative error of at most 2^-8 each.
+    bound = x.abs() @ w.abs().t() * 2**-7
+    assert ((logits - x @ w.t()).abs() <= bound).all()
+    x_bf16 = x.detach().bfloat16().float().requires_grad_()
+    w_bf16 = w.detach().bfloat16().float().requires_grad_()
+    expected = x_bf16 @ w_bf16.t()
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-6)
+    grad = torch.randn(6, 5, V, generator=g).bfloat16().float()
+    gx, gw = torch.autograd.grad(logits, (x, w), grad)
+    ex, ew = torch.autograd.grad(expected, (x_bf16, w_bf16), grad)
+    assert gx.shape == x.shape and gw.shape == w.shape
+    torch.testing.assert_close(gx, ex, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(gw, ew, atol=1e-5, rtol=1e-6)
+    # Only the input's gradient: no weight GEMM.
+    (gx_only,) = torch.autograd.grad(gpt2.MixedHead.apply(x[0], w.detach()), x, grad[0])
+    torch.testing.assert_close(gx_only[0], ex[0], atol=1e-5, rtol=1e-6)
+
+
+def test_mixed_head_is_the_fp32_head_on_cpu():
+    """The mixed head is for CUDA's bf16 autocast: on CPU, fp32 or autocast, the same bits."""
+    model, query = tiny_model(), batch()[1]
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad():
+            model.mixed_head = False
+            fp32 = model(query, query != PAD)
+            model.mixed_head = True
+            assert torch.equal(model(query, query != PAD), fp32)
+
+
+def test_head_env_vars():
+    """GPT2_HEAD picks the head; GPT2_FP32_HEAD=0 is the earlier name of GPT2_HEAD=bf16."""
+    script = """
+import importlib, os, gpt2
+for env in ({}, {"GPT2_HEAD": "mixed"}, {"GPT2_FP32_HEAD": "0"}, {"GPT2_HEAD": "tf32"}):
+    os.environ.update(env)
+    try:
+        importlib.reload(gpt2)
+        model = gpt2.GPT(gpt2.GPTConfig(**gpt2.PRESETS["tiny"], vocab_size=8))
+        print(gpt2.HEAD, model.fp32_head, model.mixed_head)
+    except SystemExit as e:
+        print(e)
+    for key in env:
+        del os.environ[key]
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("GPT2_HEAD", "GPT2_FP32_HEAD")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.stdout.splitlines() == [
+        "fp32 True False",
+        "mixed True True",
+        "bf16 False False",
+        "error: GPT2_HEAD=tf32: expected fp32, mixed or bf16",
+    ], out.stderr
+
+
+def test_log_prob_chunks_compile_whole():
+    """The chunk functions CUDA compiles make one graph each, with no break."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, V, generator=g)
+    y = torch.randint(0, V, (3,), generator=g)
+    weights = torch.randn(3, 1, generator=g)
+    for entropy in (None, weights):
+        explain = torch._dynamo.explain(gpt2.chunk_grad)(x, y, 0.7, weights, entropy)
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        explain = torch._dynamo.explain(gpt2.chunk_logprobs)(x, y, 0.7, entropy is not None)
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
