@@ -77,6 +77,12 @@ if HEAD not in ("fp32", "mixed", "bf16"):
 # ln_f, the heads and the root's parameters in fp32: every head but bf16.
 FP32_HEAD = HEAD != "bf16"
 
+# The devices on which rows padded only before and after their real tokens are rolled so that
+# their pads trail, for the causal kernel with no mask (FlashAttention on GPU). The real tokens'
+# logits are the same, but the weight gradients sum the rows in another order: CPU runs keep the
+# masked path and its bits. GPT2_ROLL_PADDING=cpu,cuda rolls on both, =none nowhere.
+ROLL_PADDING = os.environ.get("GPT2_ROLL_PADDING", "cuda").split(",")
+
 # No cuDNN: its SDPA backward can return NaN with a mask when T % 128 == 64 (pytorch#196678).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -184,6 +190,7 @@ class GPT(nn.Module):
         self.fp32_head = FP32_HEAD
         # With fp32_head: the head's GEMM from bf16 operands, on CUDA under bf16 autocast.
         self.mixed_head = HEAD == "mixed"
+        self.roll_padding = ROLL_PADDING
         # GPT-2's init: weights N(0, 0.02); the biases are zeros already.
         for m in self.modules():
             if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):
@@ -193,14 +200,18 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
-    def forward(self, idx, attention_mask=None, kv_cache=None, hidden=False, keep_from=0):
+    def forward(
+        self, idx, attention_mask=None, kv_cache=None, hidden=False, keep_from=0, contiguous=False
+    ):
         """The logits (B, T', V), or hidden states (B, T', C), of positions keep_from.. of idx.
 
         idx (B, T): tokens. attention_mask (B, T): 1 for a real token, 0 for padding; None: no
         padding, and the causal kernel with no mask. A mask is always used as given: whether
         every token is real is the callers' to say (it takes a host sync, which they already
-        make in _trim). kv_cache: a KVCache whose columns 0..T-1 the keys and values fill. No
-        dropout: RL needs the same logits in every pass.
+        make in _trim). contiguous: the caller has checked that each row's real tokens are one
+        run, padding only before and after it, so that the rows may be rolled (roll_padding).
+        kv_cache: a KVCache whose columns 0..T-1 the keys and values fill. No dropout: RL needs
+        the same logits in every pass.
         """
         B, T = idx.shape
         device = idx.device
@@ -214,6 +225,8 @@ class GPT(nn.Module):
             return self.body(idx, position_ids, None, kv_cache, hidden, keep_from)
         # Positions count the real tokens only, so left padding changes nothing.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if contiguous and kv_cache is None and device.type in self.roll_padding:
+            return self.rolled(idx, attention_mask, position_ids, hidden, keep_from)
         q_idx = torch.arange(T, device=device)[:, None]  # (T, 1)
         k_idx = torch.arange(T, device=device)[None, :]  # (1, T)
         real = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
@@ -222,8 +235,30 @@ class GPT(nn.Module):
         attn_mask = ((k_idx <= q_idx) & real) | (k_idx == q_idx)  # (B, 1, T, T)
         return self.body(idx, position_ids, attn_mask, kv_cache, hidden, keep_from)
 
-    def body(self, idx, position_ids, attn_mask, kv_cache=None, hidden=False, keep_from=0):
-        """forward's work, from given positions (B, T) and attention mask (B, 1, T, S) or None."""
+    def rolled(self, idx, attention_mask, position_ids, hidden, keep_from):
+        """forward of rows whose real tokens are one run each, on the causal kernel with no mask.
+
+        Each row is rolled left by its count of leading pads, so that every pad trails: a real
+        token then sees the real tokens before it, at their positions, and no pad. The hidden
+        states are rolled back before the head.
+        """
+        T = idx.size(1)
+        # An all-pad row has no first real token: argmax gives 0, and it is not rolled.
+        lead = attention_mask.int().argmax(1, keepdim=True)  # (B, 1)
+        cols = torch.arange(T, device=idx.device)
+        take = (cols + lead) % T  # (B, T)
+        give_back = (cols - lead) % T  # (B, T)
+        rolled_idx = idx.gather(1, take)
+        rolled_positions = position_ids.gather(1, take)
+        return self.body(rolled_idx, rolled_positions, None, None, hidden, keep_from, give_back)
+
+    def body(
+        self, idx, position_ids, attn_mask, kv_cache=None, hidden=False, keep_from=0, order=None
+    ):
+        """forward's work, from given positions (B, T) and attention mask (B, 1, T, S) or None.
+
+        order (B, T): which column of the blocks' output each column takes, to undo a roll.
+        """
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (B, T, C)
         x = tok_emb + pos_emb
@@ -231,7 +266,12 @@ class GPT(nn.Module):
         with sdpa_kernel(SDPA_BACKENDS):
             for layer, block in enumerate(self.transformer.h):
                 x = self.block(block, x, attn_mask, kv_cache, layer)
-        x = x[:, keep_from:]
+        if order is None:
+            x = x[:, keep_from:]
+        else:
+            # Only the kept columns are taken back.
+            take = order[:, keep_from:, None].expand(-1, -1, x.size(-1))
+            x = x.gather(1, take)
         if self.fp32_head:
             x = x.float()
         x = self.transformer.ln_f(x)
@@ -319,6 +359,7 @@ class ScalarModel(GPT):
         self.config = backbone.config
         self.n_logits = backbone.n_logits
         self.fp32_head = backbone.fp32_head
+        self.roll_padding = backbone.roll_padding
         self.activation_checkpointing = backbone.activation_checkpointing
         self.transformer = backbone.transformer
         # Unused, but kept so that the state dict is GPT-2's plus `score.*`.
@@ -360,18 +401,22 @@ def response_mask(response, eos_token_id):
 
 def trim_padding(query, response, pad_token_id, eos_token_id=None):
     """Drop the left-pad columns every query has and the columns past every response's stop."""
-    query, response, _ = _trim(query, response, pad_token_id, eos_token_id)
+    query, response, _, _ = _trim(query, response, pad_token_id, eos_token_id)
     return query, response
 
 
 def _trim(query, response, pad_token_id, eos_token_id=None):
-    """trim_padding's query and response, and whether query + response[:, :-1] (the teacher-forced
-    input) then holds no padding at all, so that the forward needs no mask: one host sync."""
+    """trim_padding's query and response; whether query + response[:, :-1] (the teacher-forced
+    input) then holds no padding at all, so that the forward needs no mask; and whether each
+    query is padded on the left only, so that each row's real tokens are one run. One host sync.
+    """
     real = query != pad_token_id  # (B, Tq)
     start = real.any(0).int().argmax()
     # No query padding is left if the shortest query fills every column from start on.
     unpadded = real.sum(1).min() + start == query.size(1)
-    stats = [start, unpadded]
+    # No pad after a real token: the response's real tokens, a prefix, then join the query's.
+    left_padded = (real[:, 1:] >= real[:, :-1]).all()
+    stats = [start, unpadded, left_padded]
     if eos_token_id is not None:
         lengths = response_mask(response, eos_token_id).sum(1)  # (B,)
         end = lengths.max()
@@ -380,9 +425,10 @@ def _trim(query, response, pad_token_id, eos_token_id=None):
     # One host sync for all.
     stats = torch.stack(stats).tolist()
     query = query[:, stats[0] :]
+    contiguous = bool(stats[2])
     if eos_token_id is None:
-        return query, response, bool(stats[1])
-    return query, response[:, : stats[2]], bool(stats[1] and stats[3])
+        return query, response, bool(stats[1]), contiguous
+    return query, response[:, : stats[3]], bool(stats[1] and stats[4]), contiguous
 
 
 @contextmanager
@@ -559,7 +605,7 @@ def generate(
     from a CUDA graph, captured at the first call of each shape. Off by default until a GPU run
     has checked it (tests/test_decode.py's CUDA test, docs/gpu.md).
     """
-    query, _, unpadded = _trim(query, None, pad_token_id)
+    query, _, unpadded, _ = _trim(query, None, pad_token_id)
     B, Tq = query.shape
     n = max_new_tokens
     device = query.device
@@ -707,7 +753,7 @@ def logprobs(model, query, response, temperature=1.0, entropy=False):
     pad = model.config.pad_token_id
     eos = model.config.eos_token_id
     # Only the columns that matter: no shared left padding, nothing past the last stop.
-    query, trimmed, unpadded = _trim(query, response, pad, eos)
+    query, trimmed, unpadded, contiguous = _trim(query, response, pad, eos)
     mask = response_mask(trimmed, eos)  # (B, Tr')
     # Token t + 1 is predicted at position t.
     inputs = torch.cat([query, trimmed[:, :-1]], 1)
@@ -715,7 +761,9 @@ def logprobs(model, query, response, temperature=1.0, entropy=False):
     attention_mask = None
     if not unpadded:
         attention_mask = torch.cat([query != pad, mask[:, :-1]], 1)
-    logits = model(inputs, attention_mask, keep_from=query.size(1) - 1)  # (B, Tr', V)
+    keep_from = query.size(1) - 1
+    # Each row's real tokens are one run if the queries are left-padded only (GPT.rolled).
+    logits = model(inputs, attention_mask, keep_from=keep_from, contiguous=contiguous)
     # Greedy's log-probs (temperature 0) are those of the logits, as in generate.
     t = temperature or 1.0
     targets = trimmed.flatten().long()

@@ -451,3 +451,53 @@ def test_log_prob_chunks_compile_whole():
         assert explain.graph_break_count == 0 and explain.graph_count == 1
         explain = torch._dynamo.explain(gpt2.chunk_logprobs)(x, y, 0.7, entropy is not None)
         assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+def test_rolled_rows_give_the_masked_logits_and_gradients(monkeypatch):
+    """Left-padded queries and responses padded after their stop, rolled so that every pad
+    trails (roll_padding), on the causal kernel with no mask: the masked path's log-probs and
+    real tokens' logits bit for bit on CPU, and its gradients up to the order in which the
+    weight gradients sum their rows. A pad inside a query keeps the mask."""
+    model, query = tiny_model().train(), torch.cat([torch.full((4, 2), PAD), batch()[1]], 1)
+    response = torch.tensor([[7, PAD, 5, 5, 5], [1, 2, 3, PAD, 5], [4, 4, PAD, 5, 5]])
+    response = torch.cat([response, torch.tensor([[9, 8, 7, 6, 5]])])  # no stop
+    weights = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+
+    def record(q, k, v, mask, **kw):
+        masks.append(mask)
+        return sdpa(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)
+    out = {}
+    for devices in (["cuda"], ["cpu"]):
+        model.roll_padding = devices
+        masks.clear()
+        logprobs, entropy = gpt2.logprobs(model, query, response, entropy=True)
+        (logprobs * weights + entropy).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        out[devices[0]] = (logprobs, entropy, grads, list(masks))
+    (lp0, h0, g0, masked), (lp1, h1, g1, rolled) = out["cuda"], out["cpu"]
+    assert all(m is not None for m in masked) and all(m is None for m in rolled)
+    assert torch.equal(lp1, lp0) and torch.equal(h1, h0)
+    for got, expected in zip(g1, g0):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    # forward itself, hidden states and logits from column 3 on: every real token's the same.
+    attention_mask = query != PAD
+    with torch.no_grad():
+        for hidden in (False, True):
+            model.roll_padding = ["cuda"]
+            expected = model(query, attention_mask, hidden=hidden, keep_from=3, contiguous=True)
+            model.roll_padding = ["cpu"]
+            got = model(query, attention_mask, hidden=hidden, keep_from=3, contiguous=True)
+            assert torch.equal(got[attention_mask[:, 3:]], expected[attention_mask[:, 3:]])
+    # The rolled forward is one graph, as the masked one.
+    explain = torch._dynamo.explain(model)(query, attention_mask, contiguous=True)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    # A query with a pad between its real tokens is not one run: the mask stays.
+    query[1, -2] = PAD
+    masks.clear()
+    gpt2.logprobs(model, query, response)
+    assert masks and all(m is not None for m in masks)
