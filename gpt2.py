@@ -79,7 +79,8 @@ FP32_HEAD = HEAD != "bf16"
 
 # The devices on which rows padded only before and after their real tokens are rolled so that
 # their pads trail, for the causal kernel with no mask (FlashAttention on GPU). The real tokens'
-# logits are the same, but the weight gradients sum the rows in another order: CPU runs keep the
+# logits are the same up to rounding: attention sums the same keys at other offsets, and the
+# weight gradients sum the rows in another order. CPU runs, where it does not pay, keep the
 # masked path and its bits. GPT2_ROLL_PADDING=cpu,cuda rolls on both, =none nowhere.
 ROLL_PADDING = os.environ.get("GPT2_ROLL_PADDING", "cuda").split(",")
 
