@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -121,8 +122,7 @@ def gpt2_with_head(mode):
     saved = dict(os.environ)
     os.environ.update(GPT2_HEAD=mode, GPT2_FP32_HEAD="0" if mode == "bf16" else "1")
     try:
-        path = os.path.join(ROOT, "gpt2.py")
-        spec = importlib.util.spec_from_file_location(f"gpt2_{mode}", path)
+        spec = importlib.util.spec_from_file_location(f"gpt2_{mode}", f"{ROOT}/gpt2.py")
         module = importlib.util.module_from_spec(spec)
         # dataclasses look their module up here
         sys.modules[spec.name] = module
@@ -146,7 +146,12 @@ def heads():
     """{mode: gpt2 module} for each mode this gpt2.py has; {mode: reason} for the others."""
     modules, missing = {}, {}
     for mode in HEADS:
-        module = gpt2_with_head(mode)
+        try:
+            module = gpt2_with_head(mode)
+        except Exception as e:
+            # a gpt2.py that rejects the mode's name
+            missing[mode] = f"GPT2_HEAD={mode}: import failed: {e!r}"[:200]
+            continue
         if head_mode(module) == mode:
             modules[mode] = module
         else:
@@ -189,12 +194,15 @@ def hf_copy(model, work):
     logging.disable_progress_bar()
     path = tempfile.mkdtemp(dir=work)
     gpt2.save(model, path)
-    return GPT2LMHeadModel.from_pretrained(path).to(next(model.parameters()).device).eval()
+    hf = GPT2LMHeadModel.from_pretrained(path).to(next(model.parameters()).device).eval()
+    # as ours is called: no stop token, so every row gets its n tokens, none suppressed
+    hf.generation_config.eos_token_id = None
+    return hf
 
 
 def hf_generate(hf, query, pad, n, sample=True):
     """HF `generate`: exactly n new tokens (B, n), sampled at temperature 1 or greedy."""
-    how = dict(do_sample=sample, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
+    how = dict(do_sample=sample, max_new_tokens=n, pad_token_id=pad)
     if sample:
         how |= dict(temperature=1.0, top_k=0, top_p=1.0)
     out = hf.generate(input_ids=query, attention_mask=(query != pad).long(), **how)
@@ -206,16 +214,15 @@ def hf_generate(hf, query, pad, n, sample=True):
 
 
 def part_calibrate(ctx):
-    dev = ctx.device
     size = ctx.sizes["copy_bytes"]
-    src = torch.empty(size, dtype=torch.uint8, device=dev)
+    src = torch.empty(size, dtype=torch.uint8, device=ctx.device)
     dst = torch.empty_like(src)
     copy = timed_turns({"copy": partial(dst.copy_, src)}, 10, ctx.sync, warmup=True)["copy"]
     # a copy reads and writes every byte
     gbps = [2 * size / t / 1e9 for t in copy]
     n = ctx.sizes["gemm"]
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
     gemm = timed_turns({"gemm": partial(torch.mm, a, b)}, 10, ctx.sync, warmup=True)["gemm"]
     tflops = [2 * n**3 / t / 1e12 for t in gemm]
     ctx.values["bandwidth"] = statistics.median(gbps) * 1e9
@@ -225,7 +232,7 @@ def part_calibrate(ctx):
     if not ctx.cuda:
         lines.append("kernel inside a CUDA graph: skipped, no CUDA device")
         return lines, dict(gbps=gbps, tflops=tflops)
-    x = torch.zeros(1, device=dev)
+    x = torch.zeros(1, device=ctx.device)
     nodes = 1000
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -273,8 +280,9 @@ def train(ctx, part):
     # the scripts' configuration first: the default head, eager
     modes = [mode for mode in modules if mode == shipped]
     modes += [mode for mode in modules if mode != shipped]
-    # the parts after train_124M get two thirds of what is left; the large one, the last, all
-    part_end = ctx.end if part == "train_large" else time.time() + ctx.left() / 3
+    # no warmup starts after part_end: the parts after train_124M get two thirds of what is
+    # left; the large one, the last, all but a minute for its turns and the suite's report
+    part_end = ctx.end - 60 if part == "train_large" else time.time() + ctx.left() / 3
     fns, peaks, skipped = {}, {}, dict(missing)
     for mode in modes:
         model = new_model(modules[mode], preset, ctx.args.seed, ctx.device)
@@ -299,16 +307,16 @@ def train(ctx, part):
                 step()
                 peaks[name] = peak_bytes(ctx, step, state)
             except torch.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
                 skipped[name] = "out of memory"
                 continue
             fns[name] = step
             print(f"  {part}: {name} warmed up", flush=True)
     times = timed_turns(fns, ctx.args.turns, ctx.sync)
-    n_params = matmul_params(model)
     cfg = model.config
     # nanoGPT's estimate (PaLM appendix B): 6 N per token for the matmuls (N without wpe, wte
     # counted once as the head) + 12 L C T for attention's scores and mixing
-    flops = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T) * B * T
+    flops = (6 * matmul_params(model) + 12 * cfg.n_layer * cfg.n_embd * T) * B * T
     gemm_peak = ctx.values.get("gemm_peak", math.nan)
     amp = "bf16 autocast" if ctx.cuda else "fp32 (CPU)"
     lines = [f"{preset}, {B} x {T}, {amp}, scripts' default head: {shipped}", ""]
@@ -438,10 +446,9 @@ def part_logprob_gap(ctx):
     for mode, module in modules.items():
         model = new_model(module, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
         pad = model.config.pad_token_id
-        eos = model.config.eos_token_id
         query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
         with amp, torch.no_grad():
-            rollout = module.generate(model, query, pad, n, eos, 1.0)
+            rollout = module.generate(model, query, pad, n, model.config.eos_token_id, 1.0)
             trainer = module.logprobs(model, rollout.query, rollout.response)[0]
         # log(p_trainer / p_sampler) on the response tokens
         delta = (trainer - rollout.logprobs)[rollout.mask].double()
@@ -469,10 +476,11 @@ def start_suite(ctx):
     if importlib.util.find_spec("xdist") and workers > 1:
         cmd += ["-n", str(workers)]
     cmd += ctx.args.suite.split()
-    if len(cores) > 1:
+    if len(cores) > 1 and shutil.which("taskset"):
         cmd = ["taskset", "-c", ",".join(map(str, cores[len(cores) // 2 :])), *cmd]
-        # the measurements keep the lower half
+        # the measurements keep the lower half, a thread a core
         os.sched_setaffinity(0, cores[: len(cores) // 2])
+        torch.set_num_threads(len(cores) // 2)
     log = open(os.path.join(ctx.out, "suite.log"), "w")
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
@@ -572,8 +580,8 @@ def run_part(ctx, part):
     if ctx.cuda:
         torch.cuda.empty_cache()
     print("\n".join(lines), flush=True)
-    seconds = round(time.time() - t0)
-    ctx.report[part] = dict(status=status, seconds=seconds, lines=lines, values=values)
+    ctx.report[part] = dict(status=status, seconds=round(time.time() - t0), lines=lines)
+    ctx.report[part]["values"] = values
     ctx.write()
 
 
