@@ -185,16 +185,16 @@ def under(amp, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def hf_copy(model, work):
-    """transformers' GPT2LMHeadModel with model's weights, through gpt2.save."""
+def hf_copy(model):
+    """transformers' GPT2LMHeadModel with model's weights, via gpt2.save to a temporary dir."""
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    path = tempfile.mkdtemp(dir=work)
-    gpt2.save(model, path)
-    hf = GPT2LMHeadModel.from_pretrained(path).to(next(model.parameters()).device).eval()
+    with tempfile.TemporaryDirectory() as path:
+        gpt2.save(model, path)
+        hf = GPT2LMHeadModel.from_pretrained(path).to(next(model.parameters()).device).eval()
     # as ours is called: no stop token, so every row gets its n tokens, none suppressed
     hf.generation_config.eos_token_id = None
     return hf
@@ -349,7 +349,7 @@ def sample(ctx, part):
     """Ours (graph), ours eager, HF generate: the same weights and prompts, interleaved."""
     B, Tq, n = ctx.sizes[part]
     model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
-    hf = hf_copy(model, ctx.out)
+    hf = hf_copy(model)
     pad = model.config.pad_token_id
     query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
 
@@ -381,7 +381,7 @@ def part_greedy(ctx):
     """fp32 greedy decoding, ours (graph and eager) against HF's, every row."""
     B, Tq, n = ctx.sizes["sample_64"]
     model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
-    hf = hf_copy(model, ctx.out)
+    hf = hf_copy(model)
     pad = model.config.pad_token_id
     query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
     with torch.no_grad():
