@@ -3,26 +3,31 @@
 Sections (--sections):
   forward   forward + backward tokens/s of gpt2.GPT and transformers.GPT2LMHeadModel, the
             same weights and batch; fp32 and bf16 autocast; --compile adds torch.compile(ours)
-  generate  sampling tokens/s of gpt2.generate and HF `generate` from the same left-padded
-            prompts (both sample exactly B x new_tokens); greedy fp32 outputs identical?
-  cuda      GPT-2 124M: sft.py's bf16 step with the LM head in fp32, TF32 and bf16 -> MFU;
-            a GRPO-sized rollout -> tokens/s (CUDA only)
+  decode    ms per decode step of the tiny model at batch 64: this tree's gpt2.py against
+            the one at git ref --baseline (imported as gpt2_baseline), the same weights
 
 Turns are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine
 hits both alike; a ratio is the median over turns of the ratio within one turn, with its
-range. Weights are random: speed does not depend on them.
+range. Weights are random: speed does not depend on them. The GPU's figures (MFU, sampling
+against the bandwidth limit) and sampling against HF `generate` are experiments/gpu_check.py's
+(`--device cpu` runs them on CPU at tiny sizes).
 
-    python experiments/bench.py  # forward, generate (and cuda on a GPU): minutes on 2 cores
+    python experiments/bench.py  # forward: minutes on 2 cores
+    python experiments/bench.py --sections decode --baseline 427b2e5
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
 """
 
+import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -34,29 +39,22 @@ sys.path.insert(0, ROOT)
 
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "generate", "cuda")
-# the LM head's GEMM: gpt2.py's default, TF32 tensor cores, bf16
-HEADS = ("fp32", "tf32", "bf16")
-# dense bf16 peak FLOP/s by device name, the first match wins (for the MFU)
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
-PEAK_FLOPS += [("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12)]
+SECTIONS = ("forward", "decode")
 
 
 @dataclass
 class Args:
-    sections: str = "forward,generate,cuda"  # comma-separated: forward, generate, cuda
-    presets: str = "tiny,gpt2"  # comma-separated gpt2.py presets (not the cuda section's)
+    sections: str = "forward"  # comma-separated: forward, decode
+    presets: str = "tiny,gpt2"  # comma-separated gpt2.py presets (not decode's: tiny)
     dtypes: str = "auto"  # forward: float32 and/or bfloat16; auto: both on CPU, bf16 on CUDA
     fwd_shape: str = "auto"  # forward: B x T; auto: 64x64 tiny, else 2x128 CPU, 8x1024 CUDA
-    compile: bool = False  # forward and cuda: also time torch.compile(ours)
-    gen_batch: int = 0  # generate: prompts per call; 0: 64 for tiny or on CUDA, else 8
-    prompt_len: int = 16  # generate: longest prompt (half to all of it, left-padded)
-    new_tokens: int = 32  # generate: tokens sampled per prompt
+    compile: bool = False  # forward: also time torch.compile(ours)
+    gen_batch: int = 64  # decode: prompts per call
+    prompt_len: int = 16  # decode: longest prompt (half to all of it, left-padded)
+    new_tokens: int = 32  # decode: tokens sampled per prompt (and half as many)
     repeats: int = 7  # timed turns per variant after one warmup call; medians are reported
     min_time: float = 0.3  # seconds one timed turn lasts at least (short calls are looped)
-    peak_flops: float = 0.0  # cuda: dense bf16 peak FLOP/s; 0: PEAK_FLOPS by name, else H100's
-    mfu_shape: str = "16x1024"  # cuda: B x T of the training step
-    rollout_shape: str = "256x128x128"  # cuda: prompts x prompt length x new tokens
+    baseline: str = "427b2e5"  # decode: the git ref of the gpt2.py to compare with
     seed: int = 0  # seed for weights, inputs and sampling
     out: str = ""  # also write all results to this JSON file
 
@@ -116,14 +114,6 @@ def show(row):
     """Print one measured row as a table line (progress), and return it."""
     print(markdown([row]).splitlines()[-1], flush=True)
     return row
-
-
-def parse_shape(text, n, flag):
-    dims = [int(d) for d in text.lower().split("x") if d.isdigit()]
-    if len(dims) != n or len(text.split("x")) != n or min(dims) <= 0:
-        example = "x".join(["8"] * n)
-        raise gpt2.RunError(f"--{flag} '{text}': {n} positive integers joined by 'x': {example}")
-    return dims
 
 
 # ---------------------------------------------------------------------------------------
@@ -201,7 +191,7 @@ def bench_forward(args, device, sync, meta):
         shape = args.fwd_shape
         if shape == "auto":
             shape = "64x64" if preset == "tiny" else "8x1024" if cuda else "2x128"
-        B, T = parse_shape(shape, 2, "fwd_shape")
+        B, T = map(int, shape.split("x"))
         g = torch.Generator().manual_seed(args.seed)
         idx = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
         for dtype in dtypes:
@@ -224,121 +214,55 @@ def bench_forward(args, device, sync, meta):
     return rows
 
 
-def sampler(model, query, pad, n, sample=True, ctx=None):
-    """A call: n tokens (B, n) sampled at temperature 1 (greedy if not sample) after the
-    left-padded query (B, Tq), by gpt2.generate or HF's `generate`."""
-
-    @torch.no_grad()
-    def run():
-        with ctx or nullcontext():
-            if isinstance(model, gpt2.GPT):
-                return gpt2.generate(model, query, pad, n, None, float(sample)).response
-            how = dict(input_ids=query, attention_mask=(query != pad).long(), do_sample=sample)
-            if sample:
-                how |= dict(temperature=1.0, top_k=0, top_p=1.0)
-            out = model.generate(**how, max_new_tokens=n, pad_token_id=pad)
-        # both must sample exactly B x n tokens
-        if out.shape[1] != query.shape[1] + n:
-            raise RuntimeError(f"HF generated {out.shape[1] - query.shape[1]} tokens, not {n}")
-        return out[:, query.shape[1] :]
-
-    return run
+def gpt2_at(ref):
+    """gpt2.py as it was at git ref, imported as gpt2_baseline."""
+    show = ["git", "show", f"{ref}:gpt2.py"]
+    source = subprocess.run(show, cwd=ROOT, capture_output=True, text=True)
+    if source.returncode:
+        raise gpt2.RunError(f"--baseline {ref}: {source.stderr.strip()}")
+    path = os.path.join(tempfile.mkdtemp(), "gpt2_baseline.py")
+    with open(path, "w") as f:
+        f.write(source.stdout)
+    spec = importlib.util.spec_from_file_location("gpt2_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up here
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def bench_generate(args, device, sync, meta):
-    cuda = device.type == "cuda"
-    dtype = "bfloat16" if cuda else "float32"
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else None
-    rows = []
-    for preset in args.presets.split(","):
-        ours, hf, cfg, meta["transformers"] = model_pair(preset, args.seed, device)
-        ours.eval()
-        hf.eval()
-        B = args.gen_batch or (64 if preset == "tiny" or cuda else 8)
-        # pad: the last id, GPT-2's <|endoftext|>
-        pad = cfg.vocab_size - 1
-        n = args.new_tokens
+def bench_decode(args, device, sync):
+    """Time per decode step of the tiny model, this tree's gpt2.py against --baseline's, the same
+    weights and prompts. A step's time is (t(n) - t(n / 2)) / (n / 2) of two generate calls of n
+    and n / 2 new tokens, so that the prefill cancels."""
+    trees = {"this tree": gpt2, f"gpt2.py at {args.baseline}": gpt2_at(args.baseline)}
+    B = args.gen_batch
+    n = args.new_tokens
+    fns = {}
+    weights = None
+    for name, module in trees.items():
+        model = module.GPT(module.GPTConfig(**gpt2.PRESETS["tiny"], vocab_size=257))
+        # the first tree's random init, in both
+        weights = weights or model.state_dict()
+        model.load_state_dict(weights)
+        model.to(device).eval()
+        pad = model.config.vocab_size - 1
         query = left_padded_prompts(B, args.prompt_len, pad, args.seed, device)
-        fns = {
-            "ours": sampler(ours, query, pad, n, ctx=ctx),
-            "hf": sampler(hf, query, pad, n, ctx=ctx),
-        }
-        sec, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-        # greedy, in fp32
-        greedy = [sampler(model, query, pad, n, sample=False)() for model in (ours, hf)]
-        same = int((greedy[0] == greedy[1]).all(1).sum())
-        row = {"preset": preset, "dtype": dtype, "B x (prompt+new)": f"{B}x({args.prompt_len}+{n})"}
-        row["ours tok/s"] = B * n / sec["ours"]
-        row["HF tok/s"] = B * n / sec["hf"]
-        row |= speedup(times, "ours", "hf", "ours/HF")
-        row["greedy fp32 identical"] = f"{'yes' if same == B else 'NO'} ({same}/{B} rows)"
-        rows.append(show(row))
-    return rows
-
-
-def bench_cuda(args, device, sync):
-    """GPT-2 124M: sft.py's bf16 training step (its loss through gpt2.logprobs, autocast, AdamW,
-    clipping) with the LM head's GEMM in each of HEADS, turn about -> MFU of each; a rollout ->
-    tokens/s (the default head)."""
-    B, T = parse_shape(args.mfu_shape, 2, "mfu_shape")
-    Bq, Tq, n = parse_shape(args.rollout_shape, 3, "rollout_shape")
-    gpu = torch.cuda.get_device_name()
-    peak = args.peak_flops or next((f for key, f in PEAK_FLOPS if key in gpu), 989e12)
-    torch.manual_seed(args.seed)
-    model = gpt2.GPT(config("gpt2")).to(device)
-    cfg = model.config
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    forward_model = torch.compile(model) if args.compile else model
-    # one prompt token and T response tokens, none the stop token (the last id)
-    idx = torch.randint(0, cfg.vocab_size - 1, (B, T + 1), device=device)
-
-    def train_step(head):
-        def step():
-            model.fp32_head = head != "bf16"
-            torch.backends.cuda.matmul.allow_tf32 = head == "tf32"
-            with ctx:
-                logprobs = gpt2.logprobs(forward_model, idx[:, :1], idx[:, 1:])[0]  # (B, T)
-            # sft.py's loss, per token
-            (-logprobs.mean()).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
-
-    fns = {head: train_step(head) for head in HEADS}
-    # a second warmup: the first allocates the optimizer state (and compiles)
-    for fn in fns.values():
-        fn()
-    secs, _, times = interleaved(fns, args.repeats, args.min_time, sync)
-    model.fp32_head = gpt2.FP32_HEAD
-    torch.backends.cuda.matmul.allow_tf32 = False
-    # nanoGPT's estimate (PaLM appendix B): 6 N per token for the matmuls (N without wpe; wte
-    # counts as lm_head) + 12 L C T for attention scores and mixing
-    n_params = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
-    flops = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T) * B * T
-    pad = cfg.vocab_size - 1
-    query = left_padded_prompts(Bq, Tq, pad, args.seed, device)
-    model.eval()
-
-    def rollout():
-        with ctx:
-            gpt2.generate(model, query, pad, n, None, temperature=1.0)
-
-    gen_sec = interleaved({"rollout": rollout}, args.repeats, args.min_time, sync)[0]["rollout"]
-    rows = []
-    for head in HEADS:
-        row = {"LM head": head, "train B x T": f"{B}x{T}", "compiled": args.compile}
-        row["step ms"] = secs[head] * 1e3
-        row["train tok/s"] = B * T / secs[head]
-        row["MFU"] = f"{flops / secs[head] / peak:.1%} of {peak:.3g}"
-        if head != "fp32":
-            row |= speedup(times, head, "fp32", "vs fp32 head")
-        rows.append(row)
-    rows[0]["rollout B x (prompt+new)"] = f"{Bq}x({Tq}+{n})"
-    rows[0]["rollout tok/s"] = Bq * n / gen_sec
-    return [show(row) for row in rows]
+        for tokens in (n, n // 2):
+            # eos None: every call samples all its tokens (generate is no_grad in both)
+            fns[name, tokens] = partial(module.generate, model, query, pad, tokens, None, 1.0)
+    times = interleaved(fns, args.repeats, args.min_time, sync)[2]
+    steps = {}
+    for name in trees:
+        pairs = zip(times[name, n], times[name, n // 2])
+        steps[name] = [(long - short) / (n - n // 2) for long, short in pairs]
+    baseline = list(trees)[1]
+    row = {"B x (prompt+new)": f"{B}x({args.prompt_len}+{n})"}
+    for name, secs in steps.items():
+        ms = [s * 1e3 for s in secs]
+        row[f"{name}: ms/step"] = f"{statistics.median(ms):.2f} ({min(ms):.2f}–{max(ms):.2f})"
+    row |= speedup(steps, "this tree", baseline, "this tree faster by")
+    return [show(row)]
 
 
 def main(args: Args):
@@ -357,12 +281,8 @@ def main(args: Args):
         print(f"\n## {section}\n", flush=True)
         if section == "forward":
             results[section] = bench_forward(args, device, sync, meta)
-        elif section == "generate":
-            results[section] = bench_generate(args, device, sync, meta)
-        elif cuda:
-            results[section] = bench_cuda(args, device, sync)
         else:
-            print("skipped: no CUDA device")
+            results[section] = bench_decode(args, device, sync)
     versions = f"torch {meta['torch']}, transformers {meta.get('transformers', '-')}"
     print(f"\n# summary ({name}, {versions})")
     for section, rows in results.items():

@@ -1,50 +1,50 @@
-"""The GPU acceptance check (issues 27 and 28): what a machine with GPUs runs first.
+"""The GPU acceptance command (issue 39): what a lent GPU runs first, in one call of < 8 minutes.
 
-Items (`--items` picks some; a failed item is reported and the next one runs):
-  smoke      `python pipeline.py --smoke`, then every script for 3 steps on all N GPUs
-  attention  GPT-2 124M forward + backward, left-padded: gpt2.py's SDPA backends against
-             cuDNN forced; then one SDPA call built to hit pytorch#196678
-  ranks      every script at 1 and 2 GPUs: fp32 within 1e-5, bf16 within --bf16_tol; the
-             1-GPU run's checkpoint resumes on 2 GPUs and on the CPU
+    timeout 540 python experiments/gpu_check.py --deadline 480 --out runs/gpu_check/accept
+    python experiments/gpu_check.py --device cpu --out /tmp/dry  # every part, tiny sizes
 
-    python experiments/gpu_check.py               # every item
-    python experiments/gpu_check.py --device cpu  # a dry run on CPU
+Parts, in order; report.md and report.json are rewritten after each, so a cut keeps what finished:
+  calibrate     copy bandwidth (GB/s), bf16 GEMM TFLOP/s, µs per node of a captured CUDA graph
+  train_124M    sft.py's step (gpt2.logprobs, fused AdamW, clip) at 16 x 1024, bf16 autocast, per
+                LM head mode (env GPT2_HEAD: fp32, mixed, bf16), eager and compiled -> MFU, peak
+                memory
+  sample_64     64 x (16 + 32) tokens: ours with the CUDA graph, ours eager, HF `generate`
+  sample_256    256 x (128 + 128) tokens, the same three -> tokens/s, ratio to HF, share of the
+                bandwidth limit ((weights + mean KV cache) bytes per decode step / measured GB/s)
+  greedy        fp32 greedy tokens equal HF's, every row
+  graph         graph == eager bitwise with a stop token, and after an optimizer step; and
+                tests/test_decode.py's CUDA test
+  logprob_gap   per head mode, bf16: generate's log-probs against gpt2.logprobs of the same
+                responses: mean and max |Δ log p|, k3 KL
+  train_large   gpt2-large 8 x 1024, as train_124M
+  suite         `pytest -v -rfE tests` on CPU (tests/conftest.py), started first on half the
+                cores: every failure by name
 
-A 15-minute lease in one call: the speed benchmark alone first (it times the GPU; targets:
-MFU >= 45%, sampling >= 3x HF's), then the items and the test suite side by side
-(tests/conftest.py gives the GPU to tests/test_cuda.py only: its bf16 parity checks), each
-stopped after --deadline seconds; a report is rewritten after each item:
-
-    D=runs/gpu_check/lease; mkdir -p $D; B="python experiments/bench.py --sections cuda"
-    $B,forward,generate --presets gpt2 --out $D/bench.json; $B --compile --out $D/bc.json
-    for i in smoke,attention ranks; do python experiments/gpu_check.py --items $i \\
-        --out $D/$i --deadline 380 & done; timeout 380 pytest -v -n 6 tests; wait
-
-Without CUDA it runs the attention item's CPU sanity check only; --device cpu runs every item
-on CPU (gloo ranks for GPUs, tiny shapes). The report goes to stdout and to --out (default
-runs/gpu_check/<time>/report.{md,json}); exit status 1 when an item fails.
+Each head mode is gpt2.py imported afresh as gpt2_<mode> with GPT2_HEAD (and the older
+GPT2_FP32_HEAD) set, so the modes run side by side; a mode this gpt2.py lacks is skipped, with
+why. Weights are random (no download). Times: interleaved turns after warmups, median (range).
 """
 
-import contextlib
-import glob
+import importlib.util
 import json
 import math
 import os
+import re
 import shutil
-import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 import tyro
-from safetensors.torch import load_file
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # gpt2.py lives at the repository root
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,484 +52,570 @@ sys.path.insert(0, ROOT)
 
 import gpt2  # noqa: E402
 
-ITEMS = ("smoke", "attention", "ranks")
-SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo")
+PARTS = ("calibrate", "train_124M", "sample_64", "sample_256", "greedy", "graph")
+PARTS += ("logprob_gap", "train_large", "script_memory", "suite")
+HEADS = ("fp32", "mixed", "bf16")
+# per device: training (preset, B, T); sampling (B, prompt, new); the calibration's sizes
+SIZES = {
+    "cuda": dict(train_124M=("gpt2", 16, 1024), train_large=("gpt2-large", 8, 1024)),
+    "cpu": dict(train_124M=("tiny", 2, 32), train_large=("tiny", 1, 48)),
+}
+SIZES["cuda"] |= dict(sample_64=(64, 16, 32), sample_256=(256, 128, 128), sample_preset="gpt2")
+SIZES["cpu"] |= dict(sample_64=(8, 8, 8), sample_256=(16, 16, 16), sample_preset="tiny")
+SIZES["cuda"] |= dict(copy_bytes=1 << 30, gemm=8192)
+SIZES["cpu"] |= dict(copy_bytes=1 << 24, gemm=256)
 
 
 @dataclass
 class Args:
-    items: str = ",".join(ITEMS)  # comma-separated, of the items above
-    device: Literal["auto", "cuda", "cpu"] = "auto"  # cpu: a dry run of every item on CPU
+    device: Literal["auto", "cuda", "cpu"] = "auto"  # cpu: a dry run of every part, tiny sizes
+    parts: str = ",".join(PARTS)  # comma-separated, of the parts above
+    deadline: int = 480  # seconds from the start after which no part starts
     out: str = ""  # report directory; default runs/gpu_check/<time>
-    cpu_ranks: int = 2  # --device cpu: gloo ranks stand in for GPU counts up to this
-    scripts: str = ",".join(SCRIPTS)  # the scripts that the smoke and ranks items run
-    bf16_tol: float = 0.05  # ranks: largest bf16 |Δ1 - Δ2| / |Δ1| (Δ: the weights' change)
-    attn_tol: float = 0.05  # attention: largest relative L2 difference of bf16 gradients
-    timeout: int = 3600  # seconds any one subprocess may run
-    deadline: int = 0  # seconds from the start after which no run starts (0: none)
+    turns: int = 5  # timed turns per variant, interleaved
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: a quick dry run)
+    peak_flops: float = 989e12  # the datasheet's dense bf16 FLOP/s for MFU (H100 SXM, H200)
+    suite: str = "tests"  # pytest's arguments for the suite part
+    seed: int = 0
+
+
+class Skip(Exception):
+    """A part or variant that did not run: the message says why."""
 
 
 # ---------------------------------------------------------------------------------------
-# What the items share: the context, runs of the scripts, their flags, weights and metrics
+# Timing, models, head modes
 
 
-class Failed(Exception):
-    """A check that failed: the message is the report's line."""
+def timed_turns(fns, turns, sync, warmup=False):
+    """Seconds of each fn per turn, the fns taken in turns (a, b, a, b, ...) so load hits all
+    alike, after one warmup call each if asked."""
+    for fn in fns.values() if warmup else ():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(turns):
+        for name, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def table(header, body):
+    """Markdown lines: a header row, then a row per list of cells."""
+    rows = [header, ["---"] * len(header), *body]
+    return ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def spread(values, fmt="{:,.0f}"):
+    """'median (min–max)' of values."""
+    low = fmt.format(min(values))
+    high = fmt.format(max(values))
+    return f"{fmt.format(statistics.median(values))} ({low}–{high})"
+
+
+def gpt2_with_head(mode):
+    """gpt2.py imported afresh as gpt2_<mode>, with the environment that selects the LM head mode
+    at import: GPT2_HEAD, and GPT2_FP32_HEAD for a gpt2.py that predates it."""
+    saved = dict(os.environ)
+    os.environ.update(GPT2_HEAD=mode, GPT2_FP32_HEAD="0" if mode == "bf16" else "1")
+    try:
+        spec = importlib.util.spec_from_file_location(f"gpt2_{mode}", f"{ROOT}/gpt2.py")
+        module = importlib.util.module_from_spec(spec)
+        # dataclasses look their module up here
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        # the subprocesses started later (the suite, a test) get the run's own environment
+        os.environ.clear()
+        os.environ.update(saved)
+    return module
+
+
+def head_mode(module):
+    """The LM head mode a gpt2 module runs: its HEAD string if it has one, else the older flag."""
+    for name in ("HEAD", "HEAD_MODE", "LM_HEAD"):
+        if isinstance(getattr(module, name, None), str):
+            return getattr(module, name)
+    return "fp32" if module.FP32_HEAD else "bf16"
+
+
+def heads():
+    """{mode: gpt2 module} for each mode this gpt2.py has; {mode: reason} for the others."""
+    modules, missing = {}, {}
+    for mode in HEADS:
+        try:
+            module = gpt2_with_head(mode)
+        except Exception as e:
+            # a gpt2.py that rejects the mode's name
+            missing[mode] = f"GPT2_HEAD={mode}: import failed: {e!r}"[:200]
+            continue
+        if head_mode(module) == mode:
+            modules[mode] = module
+        else:
+            missing[mode] = f"GPT2_HEAD={mode} runs the {head_mode(module)} head in this gpt2.py"
+    return modules, missing
+
+
+def matmul_params(model):
+    """The parameters a token's matmuls read: all but wpe (wte, tied, counts once)."""
+    return sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
+
+
+def new_model(module, preset, seed, device):
+    """A preset's GPT, random init; tiny gets the offline task's byte vocabulary, stop and pad."""
+    stop = dict(vocab_size=257, eos_token_id=256, pad_token_id=256) if preset == "tiny" else {}
+    torch.manual_seed(seed)
+    return module.GPT(module.GPTConfig(**module.PRESETS[preset], **stop)).to(device)
+
+
+def left_padded(B, Tq, pad, seed, device):
+    """(B, Tq) random prompts of Tq // 2 .. Tq tokens below pad, left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randint(0, pad, (B, Tq), generator=g)
+    lengths = torch.randint(max(1, Tq // 2), Tq + 1, (B, 1), generator=g)
+    return query.masked_fill(torch.arange(Tq) < Tq - lengths, pad).to(device)
+
+
+def under(amp, fn, *args, **kwargs):
+    """fn(*args, **kwargs) under the autocast context amp."""
+    with amp:
+        return fn(*args, **kwargs)
+
+
+def hf_copy(model):
+    """transformers' GPT2LMHeadModel with model's weights, via gpt2.save to a temporary dir."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as path:
+        gpt2.save(model, path)
+        hf = GPT2LMHeadModel.from_pretrained(path).to(next(model.parameters()).device).eval()
+    # as ours is called: no stop token, so every row gets its n tokens, none suppressed
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def hf_generate(hf, query, pad, n, sample=True):
+    """HF `generate`: exactly n new tokens (B, n), sampled at temperature 1 or greedy."""
+    how = dict(do_sample=sample, max_new_tokens=n, pad_token_id=pad)
+    if sample:
+        how |= dict(temperature=1.0, top_k=0, top_p=1.0)
+    out = hf.generate(input_ids=query, attention_mask=(query != pad).long(), **how)
+    return out[:, query.size(1) :]
+
+
+# ---------------------------------------------------------------------------------------
+# The parts: each returns (report lines, values); Skip says why one did not run
+
+
+def part_calibrate(ctx):
+    size = ctx.sizes["copy_bytes"]
+    src = torch.empty(size, dtype=torch.uint8, device=ctx.device)
+    dst = torch.empty_like(src)
+    copy = timed_turns({"copy": partial(dst.copy_, src)}, 10, ctx.sync, warmup=True)["copy"]
+    # a copy reads and writes every byte
+    gbps = [2 * size / t / 1e9 for t in copy]
+    n = ctx.sizes["gemm"]
+    a = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
+    gemm = timed_turns({"gemm": partial(torch.mm, a, b)}, 10, ctx.sync, warmup=True)["gemm"]
+    tflops = [2 * n**3 / t / 1e12 for t in gemm]
+    ctx.values["bandwidth"] = statistics.median(gbps) * 1e9
+    ctx.values["gemm_peak"] = statistics.median(tflops) * 1e12
+    lines = [f"copy {size >> 20} MiB: {spread(gbps)} GB/s (read + write)"]
+    lines.append(f"bf16 GEMM {n}³: {spread(tflops, '{:.1f}')} TFLOP/s")
+    if not ctx.cuda:
+        lines.append("kernel inside a CUDA graph: skipped, no CUDA device")
+        return lines, dict(gbps=gbps, tflops=tflops)
+    x = torch.zeros(1, device=ctx.device)
+    nodes = 1000
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(nodes):
+            x.add_(1)
+    replay = timed_turns({"graph": graph.replay}, 10, ctx.sync, warmup=True)["graph"]
+    us = [t / nodes * 1e6 for t in replay]
+    lines.append(f"kernel inside a CUDA graph of {nodes} tiny ones: {spread(us, '{:.2f}')} µs")
+    ctx.values["us_per_node"] = statistics.median(us)
+    return lines, dict(gbps=gbps, tflops=tflops, us_per_node=us)
+
+
+def sft_step(module, model, forward_model, optimizer, tokens, amp):
+    """One step of sft.py's on tokens (B, 1 + T): the mean NLL of the T response tokens through
+    the gpt2 module's logprobs, clip, AdamW (forward_model: model or its torch.compile)."""
+
+    def step():
+        with amp:
+            logprobs = module.logprobs(forward_model, tokens[:, :1], tokens[:, 1:])[0]  # (B, T)
+        (-logprobs.sum() / logprobs.numel()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def peak_bytes(ctx, step, state):
+    """max_memory_allocated over one step, less what was allocated before it but this model's
+    state: as if the model were alone (CUDA; None on CPU)."""
+    if not ctx.cuda:
+        return step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    return torch.cuda.max_memory_allocated() - before + state
+
+
+def train(ctx, part):
+    """sft.py's step per head mode, eager and compiled, interleaved: MFU and peak memory."""
+    preset, B, T = ctx.sizes[part]
+    modules, missing = heads()
+    shipped = head_mode(gpt2)
+    # the scripts' configuration first: the default head, eager
+    modes = [mode for mode in modules if mode == shipped]
+    modes += [mode for mode in modules if mode != shipped]
+    # no warmup starts after part_end: the parts after train_124M get two thirds of what is
+    # left; the large one, the last, all but a minute for its turns and the suite's report
+    part_end = ctx.end - 60 if part == "train_large" else time.time() + ctx.left() / 3
+    fns, peaks, skipped = {}, {}, dict(missing)
+    for mode in modes:
+        model = new_model(modules[mode], preset, ctx.args.seed, ctx.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)
+        pad = model.config.pad_token_id
+        g = torch.Generator().manual_seed(ctx.args.seed)
+        # one prompt token and T response tokens, none of them the stop token
+        tokens = torch.randint(0, pad, (B, T + 1), generator=g).to(ctx.device)
+        for compiled in (False, True):
+            name = f"{mode}, {'compiled' if compiled else 'eager'}"
+            if time.time() > part_end:
+                skipped[name] = "not run: the part's share of --deadline was spent"
+                continue
+            forward_model = model
+            if compiled:
+                forward_model = torch.compile(model, backend=ctx.args.compile_backend)
+            step = sft_step(modules[mode], model, forward_model, optimizer, tokens, ctx.amp)
+            # its weights and AdamW's two moments
+            state = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+            try:
+                # the first step allocates the optimizer's state (and compiles)
+                step()
+                peaks[name] = peak_bytes(ctx, step, state)
+            except torch.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                skipped[name] = "out of memory"
+                continue
+            fns[name] = step
+            print(f"  {part}: {name} warmed up", flush=True)
+    times = timed_turns(fns, ctx.args.turns, ctx.sync)
+    cfg = model.config
+    # nanoGPT's estimate (PaLM appendix B): 6 N per token for the matmuls (N without wpe, wte
+    # counted once as the head) + 12 L C T for attention's scores and mixing
+    flops = (6 * matmul_params(model) + 12 * cfg.n_layer * cfg.n_embd * T) * B * T
+    gemm_peak = ctx.values.get("gemm_peak", math.nan)
+    amp = "bf16 autocast" if ctx.cuda else "fp32 (CPU)"
+    lines = [f"{preset}, {B} x {T}, {amp}, scripts' default head: {shipped}", ""]
+    rows, body = {}, []
+    for name, secs in times.items():
+        mfu = [flops / t / ctx.args.peak_flops * 100 for t in secs]
+        measured = [flops / t / gemm_peak * 100 for t in secs]
+        ms = [t * 1e3 for t in secs]
+        tok = [B * T / t for t in secs]
+        gib = "–" if peaks[name] is None else f"{peaks[name] / 2**30:.2f}"
+        cells = [name, spread(ms, "{:.1f}"), spread(tok), spread(mfu, "{:.1f}%")]
+        body.append([*cells, spread(measured, "{:.1f}%"), gib])
+        rows[name] = dict(seconds=secs, mfu=mfu, peak_bytes=peaks[name])
+    header = ["head, mode", "step ms", "tokens/s", "MFU of --peak_flops", "MFU of measured GEMM"]
+    lines += table([*header, "peak GiB"], body)
+    lines += [f"skipped: {name}: {why}" for name, why in skipped.items()]
+    torch._dynamo.reset()
+    return lines, dict(flops_per_step=flops, variants=rows, skipped=skipped)
+
+
+def decode_bytes(model, B, Tq, n):
+    """Bytes of bf16 a decode step must read: the weights (wte once, as the head; no wpe) and
+    the mean KV cache, keys and values of Tq + n / 2 tokens (docs/gpu.md: the bandwidth limit)."""
+    cfg = model.config
+    kv = 2 * cfg.n_layer * cfg.n_embd * B * (Tq + n / 2)
+    return 2 * (matmul_params(model) + kv)
+
+
+def sample(ctx, part):
+    """Ours (graph), ours eager, HF generate: the same weights and prompts, interleaved."""
+    B, Tq, n = ctx.sizes[part]
+    model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
+    hf = hf_copy(model)
+    pad = model.config.pad_token_id
+    query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
+
+    ours = partial(under, ctx.amp, gpt2.generate, model, query, pad, n, None, 1.0)
+    fns = dict(graph=partial(ours, cuda_graph=True), eager=partial(ours, cuda_graph=False))
+    fns["HF"] = partial(under, ctx.amp, hf_generate, hf, query, pad, n)
+    times = timed_turns(fns, ctx.args.turns, ctx.sync, warmup=True)
+    bandwidth = ctx.values.get("bandwidth", math.nan)
+    step_bytes = decode_bytes(model, B, Tq, n)
+    limit = B * bandwidth / step_bytes
+    names = {"graph": "ours, CUDA graph", "eager": "ours, eager", "HF": "HF generate"}
+    if not ctx.cuda:
+        names["graph"] += " (no CUDA: runs eager)"
+    lines = [f"{B} x ({Tq} + {n}), {'bf16 autocast' if ctx.cuda else 'fp32'}, random weights"]
+    lines.append(f"bandwidth limit: {step_bytes / 1e6:,.1f} MB a decode step -> {limit:,.0f} tok/s")
+    values = dict(limit=limit, step_bytes=step_bytes)
+    body = []
+    for name, secs in times.items():
+        tok = [B * n / t for t in secs]
+        ratio = [h / t for t, h in zip(secs, times["HF"])]
+        share = [x / limit * 100 for x in tok]
+        body.append([names[name], spread(tok), spread(ratio, "{:.2f}"), spread(share, "{:.2f}%")])
+        values[name] = dict(seconds=secs, tokens_per_s=tok, vs_hf=ratio)
+    header = ["sampler", "tokens/s", "/ HF", "share of the bandwidth limit"]
+    return [*lines, "", *table(header, body)], values
+
+
+def part_greedy(ctx):
+    """fp32 greedy decoding, ours (graph and eager) against HF's, every row."""
+    B, Tq, n = ctx.sizes["sample_64"]
+    model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
+    hf = hf_copy(model)
+    pad = model.config.pad_token_id
+    query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
+    with torch.no_grad():
+        theirs = hf_generate(hf, query, pad, n, sample=False)
+        same = {}
+        for graph in (True, False):
+            ours = gpt2.generate(model, query, pad, n, None, 0.0, cuda_graph=graph).response
+            same["graph" if graph else "eager"] = int((ours == theirs).all(1).sum())
+    lines = [f"fp32 greedy, {B} x ({Tq} + {n}): ours == HF in {same} rows of {B}"]
+    if min(same.values()) < B:
+        raise AssertionError("; ".join(lines))
+    return lines, same
+
+
+def both_rollouts(model, query, pad, n, eos, noise, amp):
+    """generate's Rollout eager and from the CUDA graph, the same uniforms; bitwise equal?"""
+    with amp:
+        eager = gpt2.generate(model, query, pad, n, eos, 0.7, noise, cuda_graph=False)
+        graph = gpt2.generate(model, query, pad, n, eos, 0.7, noise, cuda_graph=True)
+    return eager, all(torch.equal(a, b) for a, b in zip(eager, graph))
+
+
+def part_graph(ctx):
+    """Graph == eager bitwise at the sampling shape, bf16, with a stop token that fires for some
+    rows; again after an optimizer step; then tests/test_decode.py's CUDA test (tiny, fp32+bf16)."""
+    B, Tq, n = ctx.sizes["sample_64"]
+    model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device)
+    pad = model.config.pad_token_id
+    query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
+    noise = torch.rand(B, n, generator=torch.Generator().manual_seed(1)).to(ctx.device)
+    first, _ = both_rollouts(model, query, pad, n, None, noise, ctx.amp)
+    # a token that row 0 samples a few steps in: a stop that fires mid-way
+    eos = int(first.response[0, n // 4])
+    stopped, same = both_rollouts(model, query, pad, n, eos, noise, ctx.amp)
+    share = stopped.mask.float().mean().item()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ctx.amp:
+        model(query).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    after, same_after = both_rollouts(model, query, pad, n, eos, noise, ctx.amp)
+    moved = not torch.equal(after.response, stopped.response)
+    lines = [f"{B} x ({Tq} + {n}), stop token {eos}: {share:.0%} of response tokens kept"]
+    lines.append(f"graph == eager bitwise (response, mask, log-probs): {same}")
+    lines.append(f"after an optimizer step: graph == eager {same_after}; tokens changed {moved}")
+    test = "tests/test_decode.py::test_cuda_graph_equals_eager_and_follows_optimizer_steps"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=ctx.left())
+    lines.append(f"`pytest {test}`: {p.stdout.strip().splitlines()[-1]}")
+    if not (same and same_after and p.returncode == 0):
+        raise AssertionError("; ".join(lines))
+    return lines, dict(same=same, same_after_step=same_after, kept=share)
+
+
+def part_logprob_gap(ctx):
+    """Per head mode, bf16 autocast: generate's log-probs (the sampler) against gpt2.logprobs of
+    the same responses (the trainer), the tokens up to each row's stop."""
+    B, Tq, n = ctx.sizes["sample_256"]
+    modules, missing = heads()
+    lines = [f"{ctx.sizes['sample_preset']}, {B} x ({Tq} + {n}), bf16 autocast, temperature 1"]
+    values, body = {}, []
+    amp = torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+    for mode, module in modules.items():
+        model = new_model(module, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
+        pad = model.config.pad_token_id
+        query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
+        with amp, torch.no_grad():
+            rollout = module.generate(model, query, pad, n, model.config.eos_token_id, 1.0)
+            trainer = module.logprobs(model, rollout.query, rollout.response)[0]
+        # log(p_trainer / p_sampler) on the response tokens
+        delta = (trainer - rollout.logprobs)[rollout.mask].double()
+        # k3 (Schulman's): an unbiased, positive estimate of KL(sampler || trainer)
+        k3 = (delta.exp() - 1 - delta).mean().item()
+        row = dict(mean=delta.abs().mean().item(), max=delta.abs().max().item(), k3=k3)
+        values[mode] = row
+        body.append([mode, *(f"{row[key]:.3e}" for key in ("mean", "max", "k3"))])
+    lines += ["", *table(["head", "mean abs Δ log p", "max abs Δ log p", "k3 KL"], body)]
+    lines += [f"skipped: {mode}: {why}" for mode, why in missing.items()]
+    return lines, values
+
+
+def part_script_memory(ctx):
+    why = "a step of each script at gpt2-large, 256-token responses: not in this command"
+    raise Skip(f"{why} (427b2e5's `gpu_check.py --items memory` ran it)")
+
+
+def start_suite(ctx):
+    """The suite in the background (it runs on CPU), on the upper half of the cores when there
+    are several, with pytest-xdist when installed; its log streams to out/suite.log."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider"]
+    cores = sorted(os.sched_getaffinity(0))
+    workers = len(cores) // 2
+    if importlib.util.find_spec("xdist") and workers > 1:
+        cmd += ["-n", str(workers)]
+    cmd += ctx.args.suite.split()
+    if len(cores) > 1 and shutil.which("taskset"):
+        cmd = ["taskset", "-c", ",".join(map(str, cores[len(cores) // 2 :])), *cmd]
+        # the measurements keep the lower half, a thread a core
+        os.sched_setaffinity(0, cores[: len(cores) // 2])
+        torch.set_num_threads(len(cores) // 2)
+    log = open(os.path.join(ctx.out, "suite.log"), "w")
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def part_suite(ctx):
+    """Wait for the suite until the deadline; every failure and error by name."""
+    proc = ctx.suite
+    if proc is None:
+        raise Skip("not started (--parts without suite)")
+    try:
+        proc.wait(timeout=max(1, ctx.left()))
+        cut = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        cut = True
+    with open(os.path.join(ctx.out, "suite.log")) as f:
+        log = f.read()
+    outcomes = {}
+    for line in log.splitlines():
+        # `tests/x.py::name PASSED` (-v), `[gw0] PASSED tests/x.py::name` (xdist) or
+        # `FAILED tests/x.py::name - why` (-rfE)
+        test = re.search(r"tests/\S+::[^\s\[]+(\[[^\]]*\])?", line)
+        outcome = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", line)
+        if test and outcome:
+            outcomes[test.group()] = outcome.group()
+    counts = sorted(Counter(outcomes.values()).items())
+    summary = ", ".join(f"{k} {v}" for k, v in counts) or "no test finished"
+    state = "cut at the deadline" if cut else f"exit {proc.returncode}"
+    lines = [f"`pytest {ctx.args.suite}` ({state}): {summary}; log: suite.log"]
+    bad = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
+    lines += [f"- {outcomes[t]} {t}" for t in bad]
+    return lines, dict(outcomes=outcomes, cut=cut, returncode=proc.returncode)
+
+
+# ---------------------------------------------------------------------------------------
+# main: the parts in turn, the report rewritten after each
 
 
 @dataclass
 class Ctx:
     args: Args
     cuda: bool
-    gpus: int  # GPUs to use, or the CPU ranks that stand in for them
-    out: str
-    env: dict
     device: torch.device
-    end: float = math.inf  # time.time() of --deadline
-    stage: dict = field(default_factory=dict)  # the SFT and reward models of the short runs
+    out: str
+    end: float
+    head: str
+    sizes: dict
+    amp: object = None
+    suite: subprocess.Popen | None = None
+    # measured figures that later parts use (bandwidth, GEMM peak)
+    values: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
 
-    def dir(self, *parts):
-        """A fresh path under out/work (its parent made, the path itself not)."""
-        path = os.path.join(self.out, "work", *parts)
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return path
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def left(self):
+        return self.end - time.time()
+
+    def write(self):
+        """report.md and report.json: what finished so far."""
+        md = [f"# {self.head}", ""]
+        for part, r in self.report.items():
+            md += [f"## {part}: {r['status']} ({r['seconds']} s)", "", *r["lines"], ""]
+        with open(os.path.join(self.out, "report.md"), "w") as f:
+            f.write("\n".join(md))
+        with open(os.path.join(self.out, "report.json"), "w") as f:
+            report = dict(head=self.head, args=asdict(self.args), parts=self.report)
+            json.dump(report, f, indent=2, default=str)
 
 
-def launch(script, flags, nproc=0):
-    """A script's command: plain python (nproc 0) or torchrun --nproc_per_node=nproc."""
-    cmd = [sys.executable]
-    if nproc:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    path = script if script.endswith(".py") else os.path.join(ROOT, f"{script}.py")
-    return cmd + [path, *map(str, flags)]
-
-
-def run(ctx, name, cmd, env=None, cwd=ROOT, check=True):
-    """Run cmd, its output kept in out/logs/<name>.log: (return code, output); check: raise.
-    It is killed, with every process it started, at --timeout or --deadline."""
-    log = os.path.join(ctx.out, "logs", name.replace("/", "_") + ".log")
-    os.makedirs(os.path.dirname(log), exist_ok=True)
-    timeout = min(ctx.args.timeout, ctx.end - time.time())
-    if timeout <= 0:
-        raise Failed(f"{name}: not run, --deadline reached")
+def run_part(ctx, part):
+    """One part: its report entry, printed and written as it ends."""
+    print(f"\n== {part}", flush=True)
     t0 = time.time()
-    # streamed: a run stopped midway leaves what it printed
-    with open(log, "w") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
-        f.flush()
-        p = subprocess.Popen(cmd, cwd=cwd, env=ctx.env | (env or {}), stdout=f, stderr=f)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(p.pid)
-            p.wait()
-            f.write(f"\ntimed out after {timeout:.0f} s\n")
-            rc = 124
-    with open(log) as f:
-        # less the command line
-        output = f.read().split("\n", 1)[-1]
-    print(f"  {'ok  ' if rc == 0 else 'FAIL'} {name} ({time.time() - t0:.0f} s)", flush=True)
-    if check and rc:
-        raise Failed(f"{name} exited {rc}: {last_line(output)} (log: {log})")
-    return rc, output
-
-
-def kill_tree(pid):
-    """SIGKILL pid and every process below it, read from /proc: torchrun starts its ranks in
-    sessions of their own, out of reach of a process-group kill."""
-    for each in [pid, *descendants(pid)]:
-        # a process that ended meanwhile
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
-
-
-def descendants(pid):
-    """The processes below pid (tests/test_world_sizes.py walks them the same way)."""
+    values = {}
     try:
-        kids = []
-        for task in os.scandir(f"/proc/{pid}/task"):
-            with open(f"{task.path}/children") as f:
-                kids += [int(kid) for kid in f.read().split()]
-    except OSError:
-        # pid ended meanwhile
-        return []
-    return kids + [k for kid in kids for k in descendants(kid)]
-
-
-def last_line(output):
-    """The last error line of a run's output, else its last line."""
-    lines = [line for line in output.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or line.startswith("error:")]
-    return (errors or lines or [""])[-1][-300:]
-
-
-def yes(ok):
-    return "yes" if ok else "NO"
-
-
-def table(header, body):
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in body]
-
-
-# per script: a 3-step run on the built-in task, a checkpoint at step 2; global batches of n
-# sequences (pairs; prompts for ppo) or p prompts x 4 samples (grpo); e: 3 steps' episodes
-STEPS = "--micro_batch_size 2 --warmup_steps 1 --total_steps 3"
-FLAGS = {
-    "sft": f"--batch_size {{n}} {STEPS}",
-    "reward": f"--batch_size {{n}} {STEPS} --norm_samples {{n}}",
-    "dpo": f"--batch_size {{n}} {STEPS}",
-    "ppo": "--batch_size {n} --micro_batch_size 2 --num_minibatches 1 --total_episodes {e} "
-    "--response_length 4",
-    "grpo": "--num_prompts_per_step {p} --num_samples_per_prompt 4 --micro_batch_size 4 "
-    "--num_minibatches 2 --total_episodes {e} --response_length 4 --beta 0.05 "
-    "--missing_eos_penalty 1",
-}
-
-
-def script_flags(ctx, script, k, eval_size=0):
-    """A short run of script from the stage models; global batch 8 k (grpo: 2 k prompts), so
-    that k ranks take 8 each. sft starts from the stage SFT model too: every start is on disk."""
-    stage = stage_models(ctx)
-    flags = FLAGS[script].format(n=8 * k, p=2 * k, e=24 * k).split()
-    flags += ["--eval_size", eval_size, "--eval_every", 2, "--log_every", 1]
-    flags += ["--model", stage["sft"]]
-    if script == "ppo":
-        flags += ["--reward_model", stage["reward"]]
-    return flags
-
-
-def stage_models(ctx):
-    """An SFT model and a reward model for the other runs: a few steps each, made once."""
-    if not ctx.stage:
-        sft = ctx.dir("stage", "sft")
-        reward = ctx.dir("stage", "reward")
-        flags = FLAGS["sft"].format(n=16).split() + ["--eval_size", 0, "--out_dir", sft]
-        run(ctx, "stage/sft", launch("sft", flags))
-        flags = FLAGS["reward"].format(n=16).split() + ["--eval_size", 0, "--model", sft]
-        run(ctx, "stage/reward", launch("reward", [*flags, "--out_dir", reward]))
-        ctx.stage.update(sft=sft, reward=reward)
-    return ctx.stage
-
-
-def scripts(ctx):
-    chosen = ctx.args.scripts.split(",")
-    if set(chosen) - set(SCRIPTS):
-        raise Failed(f"--scripts {ctx.args.scripts}: use some of {','.join(SCRIPTS)}")
-    return chosen
-
-
-# Parameters whose gradient is 0 in exact arithmetic (tests/test_world_sizes.py): the attention
-# key bias, and under the pairwise reward loss the biases that shift both rewards alike. Adam
-# divides their rounding noise by its own size: they are left out of the comparisons.
-NULL = {"reward": ("transformer.ln_f.bias", "score.bias")}
-
-
-def without_keys(t):
-    """An attention c_attn bias (queries, keys, values) without its keys."""
-    third = t.numel() // 3
-    return torch.cat([t[:third], t[2 * third :]])
-
-
-def weight_diff(out_a, out_b, script, start=None):
-    """(max |a - b|, |update_a - update_b| / |update_a|) of two runs' final weights; the relative
-    one over the tensors of `start`, the weights both runs began from (nan without it)."""
-    a = load_file(os.path.join(out_a, "model.safetensors"))
-    b = load_file(os.path.join(out_b, "model.safetensors"))
-    w0 = load_file(os.path.join(start, "model.safetensors")) if start else {}
-    worst = 0.0
-    num, den = 0.0, 0.0
-    for k in a:
-        if k in NULL.get(script, ()):
-            continue
-        x, y = a[k].double(), b[k].double()
-        if k.endswith("attn.c_attn.bias"):
-            x, y = without_keys(x), without_keys(y)
-        worst = max(worst, (x - y).abs().max().item())
-        if k in w0 and not k.endswith("attn.c_attn.bias"):
-            num += (x - y).square().sum().item()
-            den += (x - w0[k].double()).square().sum().item()
-    return worst, math.sqrt(num / den) if den else float("nan")
-
-
-def padded_batch(B, T, pad, device, seed=0):
-    """Random tokens (B, T) below pad, row i left-padded with i * T // (2 B) pads; the mask."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.arange(T)[None, :] >= (torch.arange(B) * T // (2 * B))[:, None]
-    idx = torch.randint(0, pad, (B, T), generator=g).masked_fill(~mask, pad)
-    return idx.to(device), mask.to(device)
-
-
-# ---------------------------------------------------------------------------------------
-# The items: each returns (passed: True, False, or None for a measurement; report lines; values)
-
-
-def item_smoke(ctx):
-    """pipeline.py --smoke (one process per stage), then every script under torchrun on all N
-    GPUs (the ranks item runs them at 1 and 2)."""
-    work = ctx.dir("smoke")
-    # the pipeline's runs/ and `latest` links go here, not into the repository
-    os.makedirs(work)
-    cmd = [sys.executable, f"{ROOT}/pipeline.py", "--smoke"]
-    rc, output = run(ctx, "smoke/pipeline", cmd, cwd=work, check=False)
-    results = {"pipeline": "ok" if rc == 0 else f"FAILED: {last_line(output)}"}
-    k = ctx.gpus
-    lines = []
-    for script in scripts(ctx):
-        flags = [*script_flags(ctx, script, k, 16), "--out_dir", f"{work}/{script}_{k}"]
-        rc, output = run(ctx, f"smoke/{script}_{k}", launch(script, flags, k), check=False)
-        results[script] = "ok" if rc == 0 else f"FAILED: {last_line(output)}"
-        warnings = [line.strip() for line in output.splitlines() if "Warning" in line]
-        lines += [f"warning printed: {script}: {line[:200]}" for line in warnings[:1]]
-    body = [[script, results[script][:80]] for script in scripts(ctx)]
-    head = [f"`python pipeline.py --smoke`: {results['pipeline']}", ""]
-    lines = head + table(["script", f"torchrun x{k}"], body) + lines
-    return all(v == "ok" for v in results.values()), lines, results
-
-
-def lse_case(device, backends, T, dtype):
-    """pytorch#196678's case in one SDPA call: the padded rows (which see only themselves, as in
-    gpt2.py) score -100, a logsumexp below -88.7. 'finite' when grad_q is."""
-    g = torch.Generator().manual_seed(T)
-    # row 1: its first half is padding
-    B, H = 2, 4
-    hd = 64
-    pads = T // 2
-    q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
-    k_sq = k[1, :, :pads].square().sum(-1, keepdim=True)
-    # so that q.k / sqrt(hd) = -100
-    q[1, :, :pads] = -k[1, :, :pads] * 100 * math.sqrt(hd) / k_sq
-    real = torch.ones(B, T, dtype=torch.bool)
-    real[1, :pads] = False
-    i = torch.arange(T)
-    attn = ((i[None, :] <= i[:, None]) & real[:, None, None, :]) | (i[None, :] == i[:, None])
-    q, k, v = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
-    try:
-        with sdpa_kernel(backends):
-            out = F.scaled_dot_product_attention(q, k, v, attn.to(device))
-        out.float().square().sum().backward()
-    except RuntimeError as e:
-        # no kernel of these backends takes the inputs
-        return f"not available ({str(e).splitlines()[0][:60]})"
-    return "finite" if torch.isfinite(q.grad).all() else "NaN"
-
-
-def model_grads(model, idx, mask, backends, amp):
-    """All parameters' gradients (flat) of the mean next-token loss, with these SDPA backends."""
-    model.zero_grad(set_to_none=True)
-    ours = gpt2.SDPA_BACKENDS
-    gpt2.SDPA_BACKENDS = backends
-    try:
-        with amp:
-            logits = model(idx, mask)[:, :-1].flatten(0, 1).float()
-            nll = F.cross_entropy(logits, idx[:, 1:].flatten(), reduction="none")
-    finally:
-        gpt2.SDPA_BACKENDS = ours
-    (nll * mask[:, 1:].flatten()).sum().div(mask[:, 1:].sum()).backward()
-    return torch.cat([p.grad.to_dense().flatten().float() for p in model.parameters()])
-
-
-def item_attention(ctx):
-    """GPT-2 124M (on CPU a 2-layer model) forward + backward, left-padded, at three lengths with
-    gpt2.py's SDPA backends and with cuDNN forced (the math kernel on CPU); then lse_case."""
-    cuda = ctx.cuda
-    small = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=257)
-    cfg = gpt2.GPTConfig(**(gpt2.PRESETS["gpt2"] if cuda else small))
-    forced = [SDPBackend.CUDNN_ATTENTION] if cuda else [SDPBackend.MATH]
-    name = "cuDNN" if cuda else "math"
-    amp = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
-    dtype = torch.bfloat16 if cuda else torch.float32
-    torch.manual_seed(0)
-    model = gpt2.GPT(cfg).to(ctx.device)
-    ok = True
-    body, values = [], {}
-    for T in (192, 320, 704):
-        idx, mask = padded_batch(4, T, cfg.vocab_size - 1, ctx.device, seed=T)
-        ours = model_grads(model, idx, mask, gpt2.SDPA_BACKENDS, amp)
-        ours_finite = bool(torch.isfinite(ours).all())
-        try:
-            other = model_grads(model, idx, mask, forced, amp)
-            finite = "yes" if torch.isfinite(other).all() else "NO (NaN)"
-            diff = ((ours - other).norm() / ours.norm()).item()
-        except RuntimeError as e:
-            # no kernel for these inputs
-            finite = f"not available ({str(e).splitlines()[0][:60]})"
-            diff = float("nan")
-        case = {
-            "ours": lse_case(ctx.device, gpt2.SDPA_BACKENDS, T, dtype),
-            name: lse_case(ctx.device, forced, T, dtype),
-        }
-        # gpt2.py's choice must be finite and, where the forced one is finite too, agree with it
-        ok &= ours_finite and case["ours"] == "finite" and not diff > ctx.args.attn_tol
-        body.append([T, yes(ours_finite), finite, f"{diff:.2e}", case["ours"], case[name]])
-        values[T] = dict(finite=ours_finite, forced=finite, rel_diff=diff, lse_case=case)
-    header = ["T", "gpt2.py: finite", f"{name}: finite", "rel. L2 diff of grads"]
-    lines = table([*header, "lse < -88.7 case: gpt2.py", f"lse case: {name}"], body)
-    precision = "bf16 autocast" if cuda else "fp32"
-    lines.append(
-        f"pass: gpt2.py's SDPA choice finite at every T and in the lse case; where {name} is"
-        f" finite too, the gradients agree within --attn_tol {ctx.args.attn_tol}"
-        f" ({cfg.n_layer} layers, {precision})"
-    )
-    return ok, lines, values
-
-
-def tensors_in(obj):
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if not isinstance(obj, list | tuple):
-        return []
-    return [t for v in obj for t in tensors_in(v)]
-
-
-def cpu_only(checkpoint):
-    """Whether a checkpoint's .pt files (the run's state, its optimizers') hold CPU tensors only."""
-    files = glob.glob(os.path.join(checkpoint, "**", "*.pt"), recursive=True)
-    state = [torch.load(f, "cpu", weights_only=True) for f in files]
-    return all(t.device.type == "cpu" for t in tensors_in(state))
-
-
-def item_ranks(ctx):
-    """Each script at 1 and 2 GPUs (torchrun both), in fp32 and in bf16: the final weights
-    agree. The 1-GPU fp32 run's step-2 checkpoint holds CPU tensors only, and resumed under
-    torchrun on 2 GPUs and on the CPU it ends at the uninterrupted run's weights."""
-    start = stage_models(ctx)["sft"]
-    two = ctx.gpus >= 2
-    ok = True
-    body, values = [], {}
-    for script in scripts(ctx):
-        flags = [*script_flags(ctx, script, 2), "--keep_checkpoints", 5]
-        runs = [("float32", 1)]
-        if two:
-            runs += [("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
-        dirs = {}
-        for dtype, k in runs:
-            name = f"{script}_{dtype}_{k}"
-            dirs[dtype, k] = ctx.dir("ranks", name)
-            cmd = launch(script, [*flags, "--dtype", dtype, "--out_dir", dirs[dtype, k]], k)
-            run(ctx, f"ranks/{name}", cmd)
-        first = dirs["float32", 1]
-        step2 = os.path.join(first, "checkpoints", "step_00000002")
-        res = {"cpu_only": cpu_only(step2)}
-        if two:
-            res["fp32"] = weight_diff(first, dirs["float32", 2], script, start)[0]
-            bf16 = weight_diff(dirs["bfloat16", 1], dirs["bfloat16", 2], script, start)
-            res["bf16"], res["bf16_rel"] = bf16
-        targets = {"cpu": (0, {"CUDA_VISIBLE_DEVICES": ""})}
-        if two:
-            targets["2gpus"] = (2, {})
-        for name, (nproc, env) in targets.items():
-            resumed = ctx.dir("ranks", f"{script}_resumed_{name}")
-            shutil.copytree(step2, os.path.join(resumed, "checkpoints", "step_00000002"))
-            resume = ["--dtype", "float32", "--out_dir", resumed, "--resume"]
-            cmd = launch(script, [*flags, *resume], nproc)
-            run(ctx, f"ranks/{script}_resumed_{name}", cmd, env)
-            res[f"resumed_{name}"] = weight_diff(first, resumed, script)[0]
-        # the CPU's fp32 kernels are not the GPU's: 1e-4 there, 1e-5 between GPU rank counts
-        good = res["cpu_only"] and res["resumed_cpu"] <= 1e-4
-        if two:
-            good &= res["fp32"] <= 1e-5 and res["bf16_rel"] <= ctx.args.bf16_tol
-            good &= res["resumed_2gpus"] <= 1e-5
-        ok &= good
-        keys = ("fp32", "bf16", "bf16_rel", "resumed_2gpus", "resumed_cpu")
-        cells = [f"{res[key]:.2e}" if key in res else "– (1 GPU)" for key in keys]
-        body.append([script, *cells, yes(res["cpu_only"]), yes(good)])
-        values[script] = res
-    header = ["script", "fp32 max diff", "bf16 max diff", "bf16 rel. update diff"]
-    header += ["resumed on 2 GPUs", "resumed on CPU", "checkpoint on CPU", "ok"]
-    lines = table(header, body)
-    lines.append(
-        "pass: 1 vs 2 GPUs, fp32 within 1e-5 and bf16 |Δ1 - Δ2| / |Δ1| <= --bf16_tol"
-        f" {ctx.args.bf16_tol} (Δ: the weights' change, L2); the checkpoint's tensors on the CPU;"
-        " resumed, 2 GPUs within 1e-5 and the CPU within 1e-4 of the uninterrupted 1-GPU run"
-    )
-    return ok, lines, values
-
-
-# ---------------------------------------------------------------------------------------
-# main: the items in turn, then one report
-
-
-def run_item(ctx, item):
-    """One item: its report entry (status, seconds, lines, values), printed as it ends."""
-    print(f"\n== {item}", flush=True)
-    t0 = time.time()
-    passed, values = False, {}
-    try:
-        passed, lines, values = globals()[f"item_{item}"](ctx)
-    except Failed as e:
-        lines = [f"FAILED: {e}"]
+        if ctx.left() <= 0 and part != "suite":
+            raise Skip("not run: --deadline reached")
+        if part.startswith(("train", "sample")):
+            lines, values = globals()[part.split("_")[0]](ctx, part)
+        else:
+            lines, values = globals()[f"part_{part}"](ctx)
+        status = "ran"
+    except Skip as e:
+        status, lines = "skipped", [str(e)]
+    except AssertionError as e:
+        status, lines = "FAILED", [str(e)]
     except Exception:
-        # a crash in the check itself: reported, and the next item runs
-        lines = ["ERROR", *traceback.format_exc().splitlines()[-8:]]
-    status = {True: "PASS", False: "FAIL", None: "MEASURED"}[passed]
-    if "--deadline reached" in lines[0]:
-        status = "NOT RUN"
-    # what an item left cached would shrink the next one's GPU
-    torch.cuda.empty_cache()
+        # a crash in the check itself: reported, and the next part runs
+        status, lines = "ERROR", traceback.format_exc().splitlines()[-12:]
+    if ctx.cuda:
+        torch.cuda.empty_cache()
     print("\n".join(lines), flush=True)
-    return dict(status=status, seconds=round(time.time() - t0), lines=lines, values=values)
-
-
-def write_report(out, head, args, report):
-    """report.md and report.json in out: written after every item, so a stopped run keeps
-    them. Returns the summary table's lines."""
-    md = [f"# {head}", "", f"`{' '.join(sys.argv)}`", ""]
-    for item, r in report.items():
-        md += [f"## {item}: {r['status']} ({r['seconds']} s)", "", *r["lines"], ""]
-    rows = [[item, r["status"], r["seconds"]] for item, r in report.items()]
-    summary = table(["item", "status", "seconds"], rows)
-    md += ["## summary", "", *summary]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(dict(head=head, args=asdict(args), items=report), f, indent=2, default=str)
-    return summary
+    ctx.report[part] = dict(status=status, seconds=round(time.time() - t0), lines=lines)
+    ctx.report[part]["values"] = values
+    ctx.write()
 
 
 def main(args: Args):
     t_start = time.time()
-    items = args.items.split(",")
-    unknown = sorted(set(items) - set(ITEMS))
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
     if unknown:
-        raise gpt2.RunError(f"--items: unknown {unknown}: use some of {','.join(ITEMS)}")
+        raise gpt2.RunError(f"--parts: unknown {unknown}: use some of {','.join(PARTS)}")
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if args.device == "cuda" and not cuda:
         raise gpt2.RunError("--device cuda: no CUDA device here")
     if not cuda and args.device == "auto":
-        print("no CUDA device: only the attention item's CPU sanity check runs (--device cpu)")
-        items = [i for i in items if i == "attention"]
-    gpus = torch.cuda.device_count() if cuda else args.cpu_ranks
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = os.path.abspath(args.out or os.path.join(ROOT, "runs", "gpu_check", stamp))
-    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-    threads = os.environ.get("OMP_NUM_THREADS", "4" if cuda else "1")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads)
-    if not cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    end = t_start + args.deadline if args.deadline > 0 else math.inf
-    device = torch.device("cuda" if cuda else "cpu")
-    ctx = Ctx(args, cuda, gpus, out, env, device, end)
-    if cuda:
-        machine = f"{gpus} x {torch.cuda.get_device_name()}"
-    else:
-        machine = f"{os.cpu_count()} CPU cores"
-        if args.device == "cpu":
-            machine += f", {gpus} gloo ranks as GPUs"
+        raise gpt2.RunError("no CUDA device: use --device cpu for the dry run")
+    out = args.out or os.path.join(ROOT, "runs", "gpu_check", time.strftime("%Y%m%d-%H%M%S"))
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    machine = torch.cuda.get_device_name() if cuda else "CPU (a dry run)"
     git = ["git", "rev-parse", "--short", "HEAD"]
-    commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
-    head = f"gpu_check: {machine}; torch {torch.__version__}; commit {commit}"
-    print(f"{head}\n`{' '.join(sys.argv)}`", flush=True)
-    report = {}
-    for item in items:
-        report[item] = run_item(ctx, item)
-        write_report(out, head, args, report)
-    summary = write_report(out, head, args, report)
-    print("\n" + "\n".join(summary) + f"\n\nwritten to {out}/report.md and .json")
-    sys.exit(1 if any(r["status"] == "FAIL" for r in report.values()) else 0)
+    commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True)
+    commit += " (uncommitted changes)" if dirty.stdout.strip() else ""
+    command = " ".join(sys.argv)
+    head = f"gpu_check: {machine}; torch {torch.__version__}; commit {commit}; `{command}`"
+    print(head, flush=True)
+    device = torch.device("cuda" if cuda else "cpu")
+    ctx = Ctx(args, cuda, device, out, t_start + args.deadline, head, SIZES[device.type])
+    ctx.amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+    if "suite" in parts:
+        ctx.suite = start_suite(ctx)
+    for part in parts:
+        run_part(ctx, part)
+    print(f"\nwritten to {out}/report.md and .json")
+    sys.exit(1 if any(r["status"] in ("FAILED", "ERROR") for r in ctx.report.values()) else 0)
 
 
 if __name__ == "__main__":
