@@ -81,8 +81,9 @@ FP32_HEAD = HEAD != "bf16"
 # their pads trail, for the causal kernel with no mask (FlashAttention on GPU). The real tokens'
 # logits are the same up to rounding: attention sums the same keys at other offsets, and the
 # weight gradients sum the rows in another order. CPU runs, where it does not pay, keep the
-# masked path and its bits. GPT2_ROLL_PADDING=cpu,cuda rolls on both, =none nowhere.
-ROLL_PADDING = os.environ.get("GPT2_ROLL_PADDING", "cuda").split(",")
+# masked path and its bits. Off until a GPU run has measured that it pays (docs/gpu.md):
+# GPT2_ROLL_PADDING=cuda rolls on GPU, =cpu,cuda on both.
+ROLL_PADDING = os.environ.get("GPT2_ROLL_PADDING", "none").split(",")
 
 # No cuDNN: its SDPA backward can return NaN with a mask when T % 128 == 64 (pytorch#196678).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -135,11 +135,8 @@ def gpt2_with_head(mode):
 
 
 def head_mode(module):
-    """The LM head mode a gpt2 module runs: its HEAD string if it has one, else the older flag."""
-    for name in ("HEAD", "HEAD_MODE", "LM_HEAD"):
-        if isinstance(getattr(module, name, None), str):
-            return getattr(module, name)
-    return "fp32" if module.FP32_HEAD else "bf16"
+    """The LM head mode a gpt2 module runs (GPT2_HEAD)."""
+    return module.HEAD
 
 
 def heads():
