@@ -788,9 +788,10 @@ def main(args: Args):
                 kl_sum = (k3 * response_mask).sum()
                 local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
             metrics = all_reduce_dict(local_means)
-            # Var[ratio] = E[ratio^2] - E[ratio]^2
+            # Var[ratio] = E[ratio^2] - E[ratio]^2, which rounding can take a hair below 0
             ratio_squared = metrics.pop("ratio_squared")
-            metrics["val/ratio_var"] = ratio_squared - metrics["val/ratio"] ** 2
+            ratio_var = ratio_squared - metrics["val/ratio"] ** 2
+            metrics["val/ratio_var"] = max(0.0, ratio_var)
             metrics["train/grad_norm"] = torch.stack(grad_norms).mean().item()
             episodes = (done - t0_step) * batch_size
             metrics["perf/episodes_per_sec"] = episodes / (time.time() - t0)

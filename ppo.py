@@ -682,6 +682,8 @@ def main(args: Args):
         mean_kl = totals["kl"] / args.batch_size
         mean_ratio = totals["ratio"] / tokens
         rlhf_reward = totals["scores"] + totals["non_score_reward"]
+        # Var[ratio] = E[ratio^2] - E[ratio]^2, which rounding can take a hair below 0
+        ratio_var = max(0.0, totals["ratio_squared"] / tokens - mean_ratio**2)
         metrics = {
             "objective/kl": mean_kl,
             "objective/entropy": totals["neg_logprob"] / args.batch_size,
@@ -695,7 +697,7 @@ def main(args: Args):
             "policy/clipfrac_avg": totals["pg_clipfrac"] / tokens,
             "val/clipfrac_avg": totals["vf_clipfrac"] / tokens,
             "val/ratio": mean_ratio,
-            "val/ratio_var": totals["ratio_squared"] / tokens - mean_ratio**2,
+            "val/ratio_var": ratio_var,
             "val/stop_frac": totals["stopped"] / args.batch_size,
             "train/lr": lr,
         }
