@@ -618,8 +618,11 @@ def generate(
     # Only the first n columns are read, should the caller's noise be wider.
     noise = noise[:, :n]
     real = query != pad_token_id  # (B, Tq)
-    # The cache's columns: rounded up to a multiple of 64, so that few shapes occur.
-    size = -(-(Tq + n) // 64) * 64
+    # The cache's columns. On GPU, rounded up to a multiple of 64, so that few shapes occur and
+    # few graphs are captured. A CPU step runs eagerly, where shapes cost nothing, and zeroing or
+    # striding over unused columns would: no rounding there.
+    multiple = 64 if device.type == "cuda" else 1
+    size = -(-(Tq + n) // multiple) * multiple
     s = new_decoding(
         model,
         noise=noise,
