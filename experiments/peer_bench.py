@@ -509,4 +509,4 @@ if __name__ == "__main__":
     else:
         import tyro
 
-        main(tyro.cli(Args))
+        main(tyro.cli(Args, use_underscores=True))
