@@ -68,9 +68,10 @@ def test_logprobs_keeps_one_logits_tensor():
         assert out.returncode == 0, out.stderr[-3000:]
         peak[path] = float(out.stdout.split()[-1])
     assert peak["plain"] > 3  # the measure sees the plain path's copies
-    # the logits and small chunks; a second (B, T, V) tensor would add 1, and the margin is for
-    # the pages besides tensors that peak RSS also counts, which vary with the machine's load
-    assert peak["chunked"] < 1.5, peak
+    # the logits and small chunks (about 1.1 alone); a second (B, T, V) tensor would add 1, so 2.1
+    # or more. The margin is for the pages besides tensors that peak RSS also counts, which vary
+    # with what ran before and the machine's load: 1.65 was seen once inside the whole suite.
+    assert peak["chunked"] < 1.9, peak
 
 
 def shard_worker(tmp):
