@@ -89,6 +89,7 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA only
     compile: bool = False  # torch.compile the model
     activation_checkpointing: bool = False  # less memory: recompute block activations
+    packing: bool = True  # the real tokens only, packed into one row: no compute on padding
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
@@ -283,6 +284,8 @@ def main(args: Args):
         ref = gpt2.load(args.ref_model, meta, shard=ref_shard)
     args.out_dir = start_run(args, "dpo")
     model.activation_checkpointing = args.activation_checkpointing
+    model.packing = args.packing
+    ref.packing = args.packing
 
     # the optimizer: weight decay on the matrices, not on biases and LayerNorms
     decay = [p for p in model.parameters() if p.dim() >= 2]

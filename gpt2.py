@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import state_dict as dcp
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
 
 
@@ -94,6 +95,86 @@ def sdpa_contexts():
     return nullcontext(), sdpa_kernel(SDPA_BACKENDS)
 
 
+# ---- Padding-free passes: the real tokens of a batch, packed into one row
+class Packing(NamedTuple):
+    """Where the real tokens of a padded batch (B, T) sit once packed into one row of N tokens.
+
+    Each row's real tokens stay in order, at their own positions, and attend only to each
+    other: attention is block-diagonal and causal, so no FLOP goes to a pad.
+    """
+
+    tokens: torch.Tensor  # (N,) the real tokens' flat indices into (B, T), row by row
+    positions: torch.Tensor  # (N,) each token's position in its own sequence
+    cu_seqlens: torch.Tensor  # (B + 1,) int32: where each row's tokens start, and the end
+    slots: torch.Tensor  # (N,) each token's place in a (B, max_len) layout whose pads trail
+    keep: torch.Tensor  # (n,) the packed tokens whose outputs the pass returns
+    rows: int  # B
+    max_len: int  # the most real tokens in a row
+
+
+def pack(attention_mask, keep):
+    """The Packing of attention_mask (B, T)'s real tokens; keep (B, T): the outputs wanted.
+
+    Every kept position must be a real token: a pad has no place in the packed row.
+    """
+    real = attention_mask.bool()
+    keep = keep.bool()
+    lengths = real.sum(1)  # (B,)
+    # One host sync: the longest row, and whether any kept position is a pad.
+    stats = torch.stack([lengths.max(), (keep & ~real).any()]).tolist()
+    if stats[1]:
+        raise ValueError("pack: a kept position is padding; only real tokens have outputs")
+    max_len = max(1, stats[0])
+    # Positions count the real tokens only, as forward's do.
+    positions = real.long().cumsum(1) - 1  # (B, T)
+    tokens = real.flatten().nonzero().squeeze(1)  # (N,)
+    row = tokens // real.size(1)
+    slots = row * max_len + positions.flatten()[tokens]
+    keep = keep.flatten()[tokens].nonzero().squeeze(1)  # (n,)
+    return Packing(
+        tokens=tokens,
+        positions=positions.flatten()[tokens],
+        cu_seqlens=F.pad(lengths.cumsum(0), (1, 0)).int(),
+        slots=slots,
+        keep=keep,
+        rows=real.size(0),
+        max_len=max_len,
+    )
+
+
+def unpack(values, keep):
+    """pack's kept outputs values (n,) back in keep (B, T)'s layout: (B, T), 0 elsewhere."""
+    out = values.new_zeros(keep.shape)
+    out[keep] = values
+    return out
+
+
+def packed_attention(q, k, v, n_head, packing):
+    """Causal attention within each sequence of a packed row: q, k, v (1, N, C) -> (1, N, C).
+
+    On CUDA in bf16 or fp16: FlashAttention's variable-length kernel. Elsewhere the sequences
+    are laid out (B, max_len) with their pads trailing, for the causal kernel with no mask: a
+    real token sees only the real tokens before it. Its cost is that of the longest row.
+    """
+    N, C = q.shape[1:]
+    q, k, v = (x.view(N, n_head, C // n_head) for x in (q, k, v))  # (N, H, hd)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        cu = packing.cu_seqlens
+        L = packing.max_len
+        # window_size (-1, 0): causal.
+        y = varlen_attn(q, k, v, cu, cu, L, L, window_size=(-1, 0))
+        return y.reshape(1, N, C)
+    B = packing.rows
+    L = packing.max_len
+    padded = []
+    for x in (q, k, v):
+        rows = x.new_zeros(B * L, *x.shape[1:]).index_copy(0, packing.slots, x)
+        padded.append(rows.view(B, L, n_head, -1).transpose(1, 2))  # (B, H, L, hd)
+    y = F.scaled_dot_product_attention(*padded, is_causal=True)
+    y = y.transpose(1, 2).reshape(B * L, C)
+    return y[packing.slots][None]
+
+
 # ---- Model
 class KVCache:
     """Every layer's keys and values, (B, H, S, hd) each, in the compute dtype.
@@ -153,6 +234,9 @@ class Block(nn.Module):
         B, T, C = x.shape
         qkv = self.attn.c_attn(self.ln_1(x))
         q, k, v = qkv.split(C, dim=2)
+        if isinstance(attn_mask, Packing):
+            y = packed_attention(q, k, v, self.n_head, attn_mask)
+            return self.rest(x, y)
         q = q.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
@@ -163,6 +247,10 @@ class Block(nn.Module):
         is_causal = attn_mask is None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal)
         y = y.transpose(1, 2).reshape(B, T, C)
+        return self.rest(x, y)
+
+    def rest(self, x, y):
+        """The block after attention: x (B, T, C) plus the projected attention y, then the MLP."""
         x = x + self.attn.c_proj(y)
         # The tanh approximation of GELU: GPT-2's gelu_new.
         h = F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh")
@@ -179,6 +267,8 @@ class GPT(nn.Module):
         C = cfg.n_embd
         # Recompute each block in backward instead of keeping its activations: less memory.
         self.activation_checkpointing = False
+        # Train on the real tokens only (pack): logprobs and get_reward skip the padding.
+        self.packing = False
         wte = nn.Embedding(cfg.vocab_size, C)
         wpe = nn.Embedding(cfg.block_size, C)
         h = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
@@ -203,7 +293,14 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def forward(
-        self, idx, attention_mask=None, kv_cache=None, hidden=False, keep_from=0, contiguous=False
+        self,
+        idx,
+        attention_mask=None,
+        kv_cache=None,
+        hidden=False,
+        keep_from=0,
+        contiguous=False,
+        packing=None,
     ):
         """The logits (B, T', V), or hidden states (B, T', C), of positions keep_from.. of idx.
 
@@ -212,13 +309,19 @@ class GPT(nn.Module):
         every token is real is the callers' to say (it takes a host sync, which they already
         make in _trim). contiguous: the caller has checked that each row's real tokens are one
         run, padding only before and after it, so that the rows may be rolled (roll_padding).
-        kv_cache: a KVCache whose columns 0..T-1 the keys and values fill. No dropout: RL needs
-        the same logits in every pass.
+        kv_cache: a KVCache whose columns 0..T-1 the keys and values fill. packing: pack()'s
+        Packing of attention_mask: the pass runs on the real tokens only, and returns the kept
+        ones' logits (n, V) or hidden states (n, C). No dropout: RL needs the same logits in
+        every pass.
         """
         B, T = idx.shape
         device = idx.device
         if T > self.config.block_size:
             raise ValueError(f"{T} tokens exceed block_size {self.config.block_size}")
+        if packing is not None:
+            packed_idx = idx.flatten()[packing.tokens][None]  # (1, N)
+            positions = packing.positions[None]  # (1, N)
+            return self.body(packed_idx, positions, packing, hidden=hidden)
         if kv_cache is not None:
             kv_cache.cols = torch.arange(T, device=device)
             kv_cache.width = T
@@ -260,6 +363,8 @@ class GPT(nn.Module):
         """forward's work, from given positions (B, T) and attention mask (B, 1, T, S) or None.
 
         order (B, T): which column of the blocks' output each column takes, to undo a roll.
+        attn_mask may be a Packing instead: the blocks then see one packed row, and only its
+        kept tokens go on to the head.
         """
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (B, T, C)
@@ -268,7 +373,9 @@ class GPT(nn.Module):
         with sdpa_kernel(SDPA_BACKENDS):
             for layer, block in enumerate(self.transformer.h):
                 x = self.block(block, x, attn_mask, kv_cache, layer)
-        if order is None:
+        if isinstance(attn_mask, Packing):
+            x = x[0, attn_mask.keep]  # (n, C)
+        elif order is None:
             x = x[:, keep_from:]
         else:
             # Only the kept columns are taken back.
@@ -363,6 +470,7 @@ class ScalarModel(GPT):
         self.fp32_head = backbone.fp32_head
         self.roll_padding = backbone.roll_padding
         self.activation_checkpointing = backbone.activation_checkpointing
+        self.packing = backbone.packing
         self.transformer = backbone.transformer
         # Unused, but kept so that the state dict is GPT-2's plus `score.*`.
         self.lm_head = backbone.lm_head
@@ -373,13 +481,15 @@ class ScalarModel(GPT):
         self.reward_gain = gain
         self.reward_bias = bias
 
-    def forward(self, query_response, attention_mask, keep_from=0):
-        h = super().forward(query_response, attention_mask, hidden=True, keep_from=keep_from)
+    def forward(self, query_response, attention_mask, keep_from=0, packing=None):
+        h = super().forward(
+            query_response, attention_mask, hidden=True, keep_from=keep_from, packing=packing
+        )
         w = self.score.weight.float()
         b = self.score.bias.float()
         # The scores in fp32, as the logits.
         with torch.autocast(h.device.type, enabled=False):
-            score = F.linear(h.float(), w, b).squeeze(-1)  # (B, T')
+            score = F.linear(h.float(), w, b).squeeze(-1)  # (B, T'), or (n,) if packed
             return score * self.reward_gain + self.reward_bias
 
 
@@ -388,8 +498,14 @@ def get_reward(model, query, response, pad_token_id, eos_token_id):
     mask = response_mask(response, eos_token_id)  # (B, Tr)
     query_response = torch.cat([query, response], 1)
     attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    scores = model(query_response, attention_mask, keep_from=query.size(1))  # (B, Tr)
     last = mask.sum(1, keepdim=True) - 1  # (B, 1)
+    # Packed where there is padding to skip (one host sync).
+    if model.packing and not attention_mask.all():
+        # Only the last real token of each row is scored: the packed pass returns (B,).
+        at_last = torch.zeros_like(mask).scatter_(1, last, True)
+        keep = torch.cat([torch.zeros_like(query, dtype=torch.bool), at_last], 1)
+        return model(query_response, attention_mask, packing=pack(attention_mask, keep))
+    scores = model(query_response, attention_mask, keep_from=query.size(1))  # (B, Tr)
     return scores.gather(1, last).squeeze(1)
 
 
@@ -410,14 +526,15 @@ def trim_padding(query, response, pad_token_id, eos_token_id=None):
 def _trim(query, response, pad_token_id, eos_token_id=None):
     """trim_padding's query and response; whether query + response[:, :-1] (the teacher-forced
     input) then holds no padding at all, so that the forward needs no mask; and whether each
-    query is padded on the left only, so that each row's real tokens are one run. One host sync.
+    query is padded on the left only and ends in a real token, so that each row's real tokens
+    are one run, from which every response token is predicted. One host sync.
     """
     real = query != pad_token_id  # (B, Tq)
     start = real.any(0).int().argmax()
     # No query padding is left if the shortest query fills every column from start on.
     unpadded = real.sum(1).min() + start == query.size(1)
     # No pad after a real token: the response's real tokens, a prefix, then join the query's.
-    left_padded = (real[:, 1:] >= real[:, :-1]).all()
+    left_padded = (real[:, 1:] >= real[:, :-1]).all() & real[:, -1].all()
     stats = [start, unpadded, left_padded]
     if eos_token_id is not None:
         lengths = response_mask(response, eos_token_id).sum(1)  # (B,)
@@ -767,16 +884,27 @@ def logprobs(model, query, response, temperature=1.0, entropy=False):
     if not unpadded:
         attention_mask = torch.cat([query != pad, mask[:, :-1]], 1)
     keep_from = query.size(1) - 1
-    # Each row's real tokens are one run if the queries are left-padded only (GPT.rolled).
-    logits = model(inputs, attention_mask, keep_from=keep_from, contiguous=contiguous)
     # Greedy's log-probs (temperature 0) are those of the logits, as in generate.
     t = temperature or 1.0
-    targets = trimmed.flatten().long()
-    token_logp, token_entropy = TokenLogProbs.apply(logits.flatten(0, 1), targets, t, entropy)
+    packed = model.packing and attention_mask is not None and contiguous
+    if packed:
+        # The real tokens only; logits (n, V) at the n real response tokens.
+        keep = torch.cat([torch.zeros_like(query[:, 1:], dtype=torch.bool), mask], 1)
+        logits = model(inputs, attention_mask, packing=pack(attention_mask, keep))
+        targets = trimmed[mask].long()
+    else:
+        # Each row's real tokens are one run if the queries are left-padded only (GPT.rolled).
+        logits = model(inputs, attention_mask, keep_from=keep_from, contiguous=contiguous)
+        logits = logits.flatten(0, 1)  # (B * Tr', V)
+        targets = trimmed.flatten().long()
+    token_logp, token_entropy = TokenLogProbs.apply(logits, targets, t, entropy)
 
     def as_response(x):
-        """(B * Tr',) -> (B, Tr): 0 past each row's stop and in the columns trimmed off."""
-        x = x.view_as(mask).masked_fill(~mask, 0)
+        """(B * Tr',) or (n,) -> (B, Tr): 0 past each row's stop and in the columns trimmed off."""
+        if packed:
+            x = unpack(x, mask)
+        else:
+            x = x.view_as(mask).masked_fill(~mask, 0)
         return F.pad(x, (0, response.size(1) - mask.size(1)))
 
     if token_entropy is None:

@@ -98,6 +98,7 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
     compile: bool = False  # torch.compile the policy for the loss's forward passes
     activation_checkpointing: bool = False  # recompute activations in backward
+    packing: bool = True  # the real tokens only, packed into one row: no compute on padding
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
@@ -462,6 +463,9 @@ def main(args: Args):
     if args.reward_model:
         reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=shard_frozen)
     policy.activation_checkpointing = args.activation_checkpointing
+    for model in (policy, ref_policy, reward_model):
+        if model is not None:
+            model.packing = args.packing
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     # the loss's forward passes
     fwd_policy = torch.compile(policy) if args.compile else policy

@@ -106,6 +106,7 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, else fp32
     compile: bool = False  # torch.compile the training forwards of policy and value
     activation_checkpointing: bool = False  # recompute activations in backward: less memory
+    packing: bool = True  # the real tokens only, packed into one row: no compute on padding
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
@@ -238,6 +239,13 @@ def forward_values(model, query, response, pad_token_id, eos_token_id):
     response_mask = gpt2.response_mask(response, eos_token_id)
     mask = torch.cat([query_mask, response_mask], 1)
     inputs = torch.cat([query, response[:, :-1]], 1)
+    # Packed where there is padding to skip (one host sync).
+    if model.packing and not mask[:, :-1].all():
+        # The real tokens only: values (n,) at the real response tokens, then (B, Tr), 0 after.
+        keep = torch.cat([torch.zeros_like(query_mask[:, 1:]), response_mask], 1)
+        packing = gpt2.pack(mask[:, :-1], keep)
+        values = model(inputs, mask[:, :-1], packing=packing)
+        return gpt2.unpack(values, response_mask)
     return model(inputs, mask[:, :-1], keep_from=query.size(1) - 1)
 
 
@@ -433,6 +441,8 @@ def main(args: Args):
         value_model.reward_bias = 0.0
     policy.activation_checkpointing = args.activation_checkpointing
     value_model.activation_checkpointing = args.activation_checkpointing
+    for model in (policy, ref_policy, reward_model, value_model):
+        model.packing = args.packing
     # TensorFlow's Adam, as lm-human-preferences trains with; or torch's (adam_tf.py compares).
     if args.optimizer == "adam_tf":
         policy_opt = AdamTF(policy.parameters(), lr=args.lr, eps=args.eps)

@@ -98,6 +98,8 @@ class Args:
     """torch.compile the model"""
     activation_checkpointing: bool = False
     """recompute block activations in backward to save memory"""
+    packing: bool = True
+    """train on the real tokens only, packed into one row: no compute on padding"""
     wandb: bool = False
     """also log to Weights & Biases (imported only when set)"""
 
@@ -354,6 +356,7 @@ def main(args: Args):
     # After the model: a bad --model leaves no run directory.
     args.out_dir = start_run(args, "reward")
     model.activation_checkpointing = args.activation_checkpointing
+    model.packing = args.packing
     # Weight decay on matrices only, not on biases and LayerNorms.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

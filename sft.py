@@ -88,6 +88,8 @@ class Args:
     """torch.compile the model"""
     activation_checkpointing: bool = False
     """recompute block activations in backward to save memory"""
+    packing: bool = True
+    """train on the real tokens only, packed into one row: no compute on padding"""
     wandb: bool = False
     """also log to Weights & Biases (imported only when set)"""
 
@@ -228,6 +230,7 @@ def main(args: Args):
     data.check_context(train, model.config.block_size)
     args.out_dir = start_run(args, "sft")
     model.activation_checkpointing = args.activation_checkpointing
+    model.packing = args.packing
     # Weight decay on matrices only, not on biases and LayerNorms.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

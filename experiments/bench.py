@@ -5,6 +5,10 @@ Sections (--sections):
             same weights and batch; fp32 and bf16 autocast; --compile adds torch.compile(ours)
   decode    ms per decode step of the tiny model at batch 64: this tree's gpt2.py against
             the one at git ref --baseline (imported as gpt2_baseline), the same weights
+  packing   each script's training pass (forward + backward of one default micro-batch),
+            packed (padding-free, gpt2.pack) against padded, and the share of its tokens that
+            are real: the tiny model on the offline task; GPT-2 124M on HH-RLHF pairs (--hh)
+            and GSM8K (--gsm8k), each prepared by data.prep as README says
 
 Turns are interleaved (ours, HF, ours, HF, ...) after a warmup, so load on a shared machine
 hits both alike; a ratio is the median over turns of the ratio within one turn, with its
@@ -15,6 +19,7 @@ against the bandwidth limit) and sampling against HF `generate` are experiments/
     python experiments/bench.py  # forward: minutes on 2 cores
     python experiments/bench.py --sections decode --baseline 427b2e5
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
+    python experiments/bench.py --sections packing --hh runs/data/hh --gsm8k runs/data/gsm8k
 """
 
 import importlib.util
@@ -29,6 +34,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
@@ -37,9 +43,10 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import data  # noqa: E402
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "decode")
+SECTIONS = ("forward", "decode", "packing")
 
 
 @dataclass
@@ -55,6 +62,10 @@ class Args:
     repeats: int = 7  # timed turns per variant after one warmup call; medians are reported
     min_time: float = 0.3  # seconds one timed turn lasts at least (short calls are looped)
     baseline: str = "427b2e5"  # decode: the git ref of the gpt2.py to compare with
+    hh: str = ""  # packing: an HH-RLHF data dir from data.prep (GPT-2 tokenizer); "" skips it
+    gsm8k: str = ""  # packing: a GSM8K data dir from data.prep (GPT-2 tokenizer); "" skips it
+    passes: str = "sft,reward,dpo,grpo"  # packing: the scripts' passes to time
+    pack_repeats: int = 3  # packing: timed turns per variant (a 124M pass takes a minute)
     seed: int = 0  # seed for weights, inputs and sampling
     out: str = ""  # also write all results to this JSON file
 
@@ -265,6 +276,102 @@ def bench_decode(args, device, sync):
     return [show(row)]
 
 
+# The scripts' default micro-batches, in rows per forward: reward and dpo score a pair's two
+# responses in one pass. grpo's pass is the policy's log-probs with the entropy.
+PASS_ROWS = {"sft": 32, "reward": 64, "dpo": 64, "grpo": 64}
+# GRPO's responses on GSM8K: the answers, cut as --response_length 256 cuts a rollout.
+GSM8K_RESPONSE = 256
+
+
+def pass_batch(split, name, rows, pad, seed, response_length=None):
+    """query (B, Tq), response (B, Tr) of one micro-batch of a split for a script's pass: a
+    pair's chosen and rejected responses as two rows (reward, dpo), else query and response."""
+    rng = np.random.default_rng(seed)
+    pairs = name in ("reward", "dpo")
+    n = rows // 2 if pairs else rows
+    idx = rng.choice(len(split["query"]), n, replace=False)
+    query = torch.from_numpy(split["query"][idx]).long()
+    if pairs:
+        responses = [torch.from_numpy(split[key][idx]).long() for key in data.PAIR]
+        width = max(r.size(1) for r in responses)
+        responses = [F.pad(r, (0, width - r.size(1)), value=pad) for r in responses]
+        return query.repeat(2, 1), torch.cat(responses)
+    response = torch.from_numpy(split["response"][idx]).long()
+    if response_length:
+        response = response[:, :response_length]
+    return query, response
+
+
+def pass_step(model, name, query, response, packing):
+    """A call: one forward + backward of a script's training pass on query, response."""
+    pad = model.config.pad_token_id
+    eos = model.config.eos_token_id
+
+    def step():
+        model.packing = packing
+        model.zero_grad(set_to_none=True)
+        if name == "reward":
+            q, r = gpt2.trim_padding(query, response, pad, eos)
+            loss = gpt2.get_reward(model, q, r, pad, eos).sum()
+        else:
+            logps, entropy = gpt2.logprobs(model, query, response, entropy=name == "grpo")
+            loss = logps.sum()
+            if entropy is not None:
+                loss = loss + 0.01 * entropy.sum()
+        loss.backward()
+
+    return step
+
+
+def real_share(query, response, pad, eos):
+    """The share of a trimmed micro-batch's tokens that are real (query + response to its stop)."""
+    q, r = gpt2.trim_padding(query, response, pad, eos)
+    real = (q != pad).sum() + gpt2.response_mask(r, eos).sum()
+    return (real / (q.numel() + r.numel())).item()
+
+
+def bench_packing(args, device, sync):
+    """Packed against padded, per pass and data set: real tokens per second and the speed-up."""
+    cases = [("tiny", data.load_meta("arithmetic"), "arithmetic")]
+    if args.hh:
+        cases.append(("gpt2", data.load_meta(args.hh), args.hh))
+    if args.gsm8k:
+        cases.append(("gpt2", data.load_meta(args.gsm8k), args.gsm8k))
+    rows = []
+    for preset, meta, path in cases:
+        cfg = gpt2.GPTConfig(**gpt2.PRESETS[preset], vocab_size=meta["vocab_size"])
+        cfg.pad_token_id = meta["pad_token_id"]
+        cfg.eos_token_id = meta["eos_token_id"]
+        torch.manual_seed(args.seed)
+        backbone = gpt2.GPT(cfg)
+        models = {"reward": gpt2.ScalarModel(backbone)}
+        for name in args.passes.split(","):
+            split_name = "pref_train" if name in ("reward", "dpo") else "sft_train"
+            if not os.path.exists(os.path.join(path, split_name + ".npz")) and path != "arithmetic":
+                continue
+            split = data.load_split(path, split_name)
+            cut = GSM8K_RESPONSE if "gsm8k" in path and name == "grpo" else None
+            pad = cfg.pad_token_id
+            eos = cfg.eos_token_id
+            query, response = pass_batch(split, name, PASS_ROWS[name], pad, args.seed, cut)
+            query = query.to(device)
+            response = response.to(device)
+            model = models.get(name, backbone).to(device)
+            fns = {}
+            fns["packed"] = pass_step(model, name, query, response, packing=True)
+            fns["padded"] = pass_step(model, name, query, response, packing=False)
+            sec, first, times = interleaved(fns, args.pack_repeats, args.min_time, sync)
+            tokens = (query != pad).sum() + gpt2.response_mask(response, eos).sum()
+            row = {"pass": name, "model": preset, "data": os.path.basename(path.rstrip("/"))}
+            row["rows"] = len(query)
+            row["real share"] = real_share(query, response, pad, eos)
+            row["packed tok/s"] = tokens.item() / sec["packed"]
+            row["padded tok/s"] = tokens.item() / sec["padded"]
+            row |= speedup(times, "packed", "padded", "packed/padded")
+            rows.append(show(row))
+    return rows
+
+
 def main(args: Args):
     sections = args.sections.split(",")
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -281,6 +388,8 @@ def main(args: Args):
         print(f"\n## {section}\n", flush=True)
         if section == "forward":
             results[section] = bench_forward(args, device, sync, meta)
+        elif section == "packing":
+            results[section] = bench_packing(args, device, sync)
         else:
             results[section] = bench_decode(args, device, sync)
     versions = f"torch {meta['torch']}, transformers {meta.get('transformers', '-')}"
