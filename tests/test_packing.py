@@ -118,6 +118,16 @@ def test_packed_forward_is_exact_for_any_mask_not_just_left_padding():
     assert torch.equal(gpt2.unpack(packed, mask)[mask], packed)
 
 
+def test_packed_forward_is_one_graph():
+    """pack's host syncs happen before the model: its forward compiles whole, as the padded one."""
+    model = tiny_model()
+    query, _ = ragged_batch()
+    mask = query != PAD
+    packing = gpt2.pack(mask, keep=mask)
+    explain = torch._dynamo.explain(model)(query, mask, packing=packing)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+
+
 def test_pack_refuses_a_kept_pad():
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]]).bool()
     with pytest.raises(ValueError, match="kept position is padding"):
