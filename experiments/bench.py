@@ -5,6 +5,8 @@ Sections (--sections):
             same weights and batch; fp32 and bf16 autocast; --compile adds torch.compile(ours)
   decode    ms per decode step of the tiny model at batch 64: this tree's gpt2.py against
             the one at git ref --baseline (imported as gpt2_baseline), the same weights
+  padding   the share of real tokens in each script's micro-batches (8, 16, 32 and its default
+            rows), over --pad_batches random ones, on the data sets below (no model)
   packing   each script's training pass (forward + backward of one default micro-batch),
             packed (padding-free, gpt2.pack) against padded, and the share of its tokens that
             are real: the tiny model on the offline task; GPT-2 124M on HH-RLHF pairs (--hh)
@@ -46,7 +48,7 @@ sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "decode", "packing")
+SECTIONS = ("forward", "decode", "padding", "packing")
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Args:
     gsm8k: str = ""  # packing: a GSM8K data dir from data.prep (GPT-2 tokenizer); "" skips it
     passes: str = "sft,reward,dpo,grpo"  # packing: the scripts' passes to time
     pack_repeats: int = 3  # packing: timed turns per variant (a 124M pass takes a minute)
+    pad_batches: int = 200  # padding: random micro-batches per pass and size
+    policy: str = ""  # packing: a trained tiny policy (runs/sft/latest) for grpo's rollouts
     seed: int = 0  # seed for weights, inputs and sampling
     out: str = ""  # also write all results to this JSON file
 
@@ -279,14 +283,16 @@ def bench_decode(args, device, sync):
 # The scripts' default micro-batches, in rows per forward: reward and dpo score a pair's two
 # responses in one pass. grpo's pass is the policy's log-probs with the entropy.
 PASS_ROWS = {"sft": 32, "reward": 64, "dpo": 64, "grpo": 64}
-# GRPO's responses on GSM8K: the answers, cut as --response_length 256 cuts a rollout.
+# The passes each data set feeds: preference pairs, or prompts with demonstrations.
+PASSES = {"arithmetic": ("sft", "reward", "dpo", "grpo"), "hh": ("reward", "dpo")}
+PASSES["gsm8k"] = ("sft", "grpo")
+# GRPO's responses on GSM8K: the answers, cut where --response_length 256 cuts a rollout.
 GSM8K_RESPONSE = 256
 
 
-def pass_batch(split, name, rows, pad, seed, response_length=None):
-    """query (B, Tq), response (B, Tr) of one micro-batch of a split for a script's pass: a
-    pair's chosen and rejected responses as two rows (reward, dpo), else query and response."""
-    rng = np.random.default_rng(seed)
+def pass_batch(split, name, rows, pad, rng, response_length=None):
+    """query (B, Tq), response (B, Tr) of one random micro-batch of a split for a script's pass:
+    a pair's chosen and rejected responses as two rows (reward, dpo), else query and response."""
     pairs = name in ("reward", "dpo")
     n = rows // 2 if pairs else rows
     idx = rng.choice(len(split["query"]), n, replace=False)
@@ -330,46 +336,91 @@ def real_share(query, response, pad, eos):
     return (real / (q.numel() + r.numel())).item()
 
 
-def bench_packing(args, device, sync):
-    """Packed against padded, per pass and data set: real tokens per second and the speed-up."""
-    cases = [("tiny", data.load_meta("arithmetic"), "arithmetic")]
+def data_cases(args):
+    """(preset, data dir or builtin name, kind) of each data set to measure."""
+    cases = [("tiny", "arithmetic", "arithmetic")]
     if args.hh:
-        cases.append(("gpt2", data.load_meta(args.hh), args.hh))
+        cases.append(("gpt2", args.hh, "hh"))
     if args.gsm8k:
-        cases.append(("gpt2", data.load_meta(args.gsm8k), args.gsm8k))
+        cases.append(("gpt2", args.gsm8k, "gsm8k"))
+    return cases
+
+
+def pass_split(path, name):
+    split_name = "pref_train" if name in ("reward", "dpo") else "sft_train"
+    return data.load_split(path, split_name)
+
+
+def bench_padding(args):
+    """The share of real tokens in the scripts' micro-batches, over many random ones."""
     rows = []
-    for preset, meta, path in cases:
+    for _, path, kind in data_cases(args):
+        meta = data.load_meta(path)
+        pad = meta["pad_token_id"]
+        eos = meta["eos_token_id"]
+        for name in PASSES[kind]:
+            split = pass_split(path, name)
+            cut = GSM8K_RESPONSE if kind == "gsm8k" and name == "grpo" else None
+            row = {"pass": name, "data": kind}
+            for size in sorted({8, 16, 32, PASS_ROWS[name]}):
+                rng = np.random.default_rng(args.seed)
+                shares = []
+                for _ in range(args.pad_batches):
+                    query, response = pass_batch(split, name, size, pad, rng, cut)
+                    shares.append(real_share(query, response, pad, eos))
+                row[f"real share, {size} rows"] = statistics.mean(shares)
+            rows.append(show(row))
+    return rows
+
+
+def bench_packing(args, device, sync):
+    """Packed against padded, per pass and data set: real tokens per second and the speed-up, on
+    one random micro-batch of the script's default size (its real share printed beside)."""
+    rows = []
+    for preset, path, kind in data_cases(args):
+        meta = data.load_meta(path)
         cfg = gpt2.GPTConfig(**gpt2.PRESETS[preset], vocab_size=meta["vocab_size"])
         cfg.pad_token_id = meta["pad_token_id"]
         cfg.eos_token_id = meta["eos_token_id"]
+        pad = cfg.pad_token_id
+        eos = cfg.eos_token_id
         torch.manual_seed(args.seed)
-        backbone = gpt2.GPT(cfg)
-        models = {"reward": gpt2.ScalarModel(backbone)}
-        for name in args.passes.split(","):
-            split_name = "pref_train" if name in ("reward", "dpo") else "sft_train"
-            if not os.path.exists(os.path.join(path, split_name + ".npz")) and path != "arithmetic":
+        backbone = gpt2.GPT(cfg).to(device)
+        models = {"reward": gpt2.ScalarModel(backbone).to(device)}
+        for name in PASSES[kind]:
+            if name not in args.passes.split(","):
                 continue
-            split = data.load_split(path, split_name)
-            cut = GSM8K_RESPONSE if "gsm8k" in path and name == "grpo" else None
-            pad = cfg.pad_token_id
-            eos = cfg.eos_token_id
-            query, response = pass_batch(split, name, PASS_ROWS[name], pad, args.seed, cut)
+            split = pass_split(path, name)
+            cut = GSM8K_RESPONSE if kind == "gsm8k" and name == "grpo" else None
+            rng = np.random.default_rng(args.seed)
+            query, response = pass_batch(split, name, PASS_ROWS[name], pad, rng, cut)
+            if kind == "arithmetic" and name == "grpo" and args.policy:
+                response = rollouts(args.policy, meta, query)
             query = query.to(device)
             response = response.to(device)
-            model = models.get(name, backbone).to(device)
+            model = models.get(name, backbone)
             fns = {}
             fns["packed"] = pass_step(model, name, query, response, packing=True)
             fns["padded"] = pass_step(model, name, query, response, packing=False)
             sec, first, times = interleaved(fns, args.pack_repeats, args.min_time, sync)
             tokens = (query != pad).sum() + gpt2.response_mask(response, eos).sum()
-            row = {"pass": name, "model": preset, "data": os.path.basename(path.rstrip("/"))}
-            row["rows"] = len(query)
+            row = {"pass": name, "model": preset, "data": kind, "rows": len(query)}
             row["real share"] = real_share(query, response, pad, eos)
             row["packed tok/s"] = tokens.item() / sec["packed"]
             row["padded tok/s"] = tokens.item() / sec["padded"]
             row |= speedup(times, "packed", "padded", "packed/padded")
             rows.append(show(row))
     return rows
+
+
+def rollouts(policy_dir, meta, query):
+    """Responses (B, 16) sampled from a trained policy at grpo.py's defaults: ragged, as RL's."""
+    policy = gpt2.load(policy_dir, meta)
+    noise = torch.rand(len(query), 16, generator=torch.Generator().manual_seed(0))
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+    rollout = gpt2.generate(policy, query, pad, 16, eos, temperature=1.0, noise=noise)
+    return rollout.response
 
 
 def main(args: Args):
@@ -388,6 +439,8 @@ def main(args: Args):
         print(f"\n## {section}\n", flush=True)
         if section == "forward":
             results[section] = bench_forward(args, device, sync, meta)
+        elif section == "padding":
+            results[section] = bench_padding(args)
         elif section == "packing":
             results[section] = bench_packing(args, device, sync)
         else:

@@ -16,6 +16,9 @@ Parts, in order; report.md and report.json are rewritten after each, so a cut ke
                 tests/test_decode.py's CUDA test
   logprob_gap   per head mode, bf16: generate's log-probs against gpt2.logprobs of the same
                 responses: mean and max |Δ log p|, k3 KL
+  packing       issue 40: a ragged micro-batch of HH-RLHF's shape (64 rows, prompts 16..512
+                left-padded, responses stopping at 8..128), bf16: packed (varlen FlashAttention)
+                against padded log-probs (max |Δ|) and fwd + bwd tokens/s
   train_large   gpt2-large 8 x 1024, as train_124M
   suite         `pytest -v -rfE tests` on CPU (tests/conftest.py), started first on half the
                 cores: every failure by name
@@ -53,7 +56,7 @@ sys.path.insert(0, ROOT)
 import gpt2  # noqa: E402
 
 PARTS = ("calibrate", "train_124M", "sample_64", "sample_256", "greedy", "graph")
-PARTS += ("logprob_gap", "train_large", "script_memory", "suite")
+PARTS += ("logprob_gap", "packing", "train_large", "script_memory", "suite")
 HEADS = ("fp32", "mixed", "bf16")
 # per device: training (preset, B, T); sampling (B, prompt, new); the calibration's sizes
 SIZES = {
@@ -62,6 +65,9 @@ SIZES = {
 }
 SIZES["cuda"] |= dict(sample_64=(64, 16, 32), sample_256=(256, 128, 128), sample_preset="gpt2")
 SIZES["cpu"] |= dict(sample_64=(8, 8, 8), sample_256=(16, 16, 16), sample_preset="tiny")
+# packing: (preset, rows, longest prompt, longest response)
+SIZES["cuda"] |= dict(packing=("gpt2", 64, 512, 128))
+SIZES["cpu"] |= dict(packing=("tiny", 8, 24, 16))
 SIZES["cuda"] |= dict(copy_bytes=1 << 30, gemm=8192)
 SIZES["cpu"] |= dict(copy_bytes=1 << 24, gemm=256)
 
@@ -456,6 +462,59 @@ def part_logprob_gap(ctx):
         body.append([mode, *(f"{row[key]:.3e}" for key in ("mean", "max", "k3"))])
     lines += ["", *table(["head", "mean abs Δ log p", "max abs Δ log p", "k3 KL"], body)]
     lines += [f"skipped: {mode}: {why}" for mode, why in missing.items()]
+    return lines, values
+
+
+def part_packing(ctx):
+    """Packed against padded log-probs of a ragged batch, bf16 autocast on CUDA: their gap, and
+    forward + backward time in interleaved turns."""
+    preset, B, Tq, Tr = ctx.sizes["packing"]
+    model = new_model(gpt2, preset, ctx.args.seed, ctx.device)
+    pad = model.config.pad_token_id
+    eos = model.config.eos_token_id
+    g = torch.Generator().manual_seed(ctx.args.seed)
+    query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
+    # Prompts of 1/32 .. all of Tq tokens, as HH-RLHF's: left_padded's shortest is Tq / 2.
+    short = torch.arange(B, device=ctx.device) % 2 == 0
+    query[short, : Tq - max(1, Tq // 32)] = pad
+    response = torch.randint(0, pad, (B, Tr), generator=g).to(ctx.device)
+    stops = torch.randint(Tr // 16, Tr, (B, 1), generator=g).to(ctx.device)
+    response = response.masked_fill(torch.arange(Tr, device=ctx.device) >= stops, eos)
+    outputs = {}
+
+    def step(packing):
+        model.packing = packing
+        model.zero_grad(set_to_none=True)
+        with ctx.amp:
+            logps = gpt2.logprobs(model, query, response, entropy=True)[0]
+        logps.sum().backward()
+        outputs[packing] = logps.detach()
+
+    # A packed forward returns (n, V), a padded one (B, T, V).
+    dims = []
+    hook = model.register_forward_hook(lambda module, args, out: dims.append(out.dim()))
+    step(True)
+    hook.remove()
+    assert dims == [2], "the packed pass did not run packed"
+
+    fns = dict(packed=partial(step, True), padded=partial(step, False))
+    times = timed_turns(fns, ctx.args.turns, ctx.sync, warmup=True)
+    mask = gpt2.response_mask(response, eos)
+    delta = (outputs[True] - outputs[False])[mask].abs()
+    tokens = (query != pad).sum().item() + mask.sum().item()
+    ratios = [b / a for a, b in zip(times["packed"], times["padded"])]
+    real = tokens / (B * (Tq + Tr))
+    lines = [f"{preset}, {B} rows, prompts to {Tq}, responses to {Tr}: {real:.0%} real tokens"]
+    body = []
+    for name in ("packed", "padded"):
+        body.append([name, spread([tokens / t for t in times[name]])])
+    lines += ["", *table(["pass", "real tokens/s, fwd + bwd"], body)]
+    lines += ["", f"packed/padded: {spread(ratios, '{:.2f}')}"]
+    lines += [f"log-probs packed - padded: mean |Δ| {delta.mean():.2e}, max {delta.max():.2e}"]
+    values = dict(speedup=statistics.median(ratios), max_delta=delta.max().item(), real=real)
+    # bf16 on CUDA: another kernel rounds differently; fp32 on CPU: to round-off.
+    bound = 0.1 if ctx.cuda else 1e-4
+    assert delta.max().item() < bound, f"packed log-probs differ by {delta.max():.3e}"
     return lines, values
 
 
