@@ -10,6 +10,7 @@ tokens' contributions in another order: 1e-5 of their scale."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,33 @@ def test_scripts_train_the_same_packed_and_padded(tmp_path, script, args):
     assert len(compared) >= 4
     for k in compared:
         assert first[k] == pytest.approx(same[k], rel=1e-4, abs=1e-6), k
+
+
+def test_grpo_packed_on_one_and_two_ranks_and_after_a_resume(tmp_path):
+    """Packed batches under FSDP2: 1 rank = 2 ranks, and a resumed run = the uninterrupted one."""
+    policy = stopping_policy(tmp_path / "policy")
+    common = f"--model {policy} --total_episodes 64 --num_prompts_per_step 4 --beta 0.05 "
+    common += "--num_samples_per_prompt 4 --micro_batch_size 4 --response_length 8 "
+    common += "--eval_size 8 --eval_every 2 --log_every 1 --keep_checkpoints 5 --num_minibatches 1"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs = {}
+    for name, nproc in (("r1", 1), ("r2", 2)):
+        cmd = [*torchrun, f"--nproc_per_node={nproc}", "grpo.py", "--out_dir", str(tmp_path / name)]
+        result = subprocess.run(
+            [*cmd, *common.split()], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+    assert [m["step"] for m in runs["r1"]] == [0, 1, 2, 3, 4]
+    for a, b in zip(runs["r1"], runs["r2"]):
+        for k in (k for k in a if not k.startswith("perf/")):
+            assert abs(a[k] - b[k]) < 1e-4, (k, a[k], b[k])
+    checkpoint = tmp_path / "r1" / "checkpoints" / "step_00000002"
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoints" / checkpoint.name)
+    resumed = script_metrics(tmp_path / "resumed", "grpo", [*common.split(), "--resume"])
+    assert [m["step"] for m in resumed] == [3, 4]
+    full = {m["step"]: m for m in runs["r1"]}
+    for m in resumed:
+        for k in (k for k in m if not k.startswith("perf/")):
+            assert m[k] == full[m["step"]][k], (k, m[k], full[m["step"]][k])
