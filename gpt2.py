@@ -5,6 +5,7 @@ Hugging Face as they are. Beyond nanoGPT's model.py:
 - positions come from the attention mask, so left padding changes no logit;
 - generation with a KV cache, one fixed-shape decode step per token (a CUDA graph on GPU);
 - log-probs of given responses, a chunk of logits at a time;
+- padding-free training passes: a micro-batch's real tokens packed into one row (pack);
 - scalar heads (reward, value);
 - load and save of plain or FSDP2-sharded models in the HF safetensors layout.
 """
