@@ -144,8 +144,8 @@ def pack(attention_mask, keep):
 
 
 def unpack(values, keep):
-    """pack's kept outputs values (n,) back in keep (B, T)'s layout: (B, T), 0 elsewhere."""
-    out = values.new_zeros(keep.shape)
+    """pack's kept outputs (n, ...) back in keep (B, T)'s layout: (B, T, ...), 0 elsewhere."""
+    out = values.new_zeros(keep.shape + values.shape[1:])
     out[keep] = values
     return out
 
