@@ -158,22 +158,32 @@ def packed_attention(q, k, v, n_head, packing):
     real token sees only the real tokens before it. Its cost is that of the longest row.
     """
     N, C = q.shape[1:]
-    q, k, v = (x.view(N, n_head, C // n_head) for x in (q, k, v))  # (N, H, hd)
+    q = q.view(N, n_head, C // n_head)  # (N, H, hd)
+    k = k.view(N, n_head, C // n_head)
+    v = v.view(N, n_head, C // n_head)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         cu = packing.cu_seqlens
         L = packing.max_len
         # window_size (-1, 0): causal.
         y = varlen_attn(q, k, v, cu, cu, L, L, window_size=(-1, 0))
         return y.reshape(1, N, C)
+    y = F.scaled_dot_product_attention(
+        pads_trailing(q, packing),
+        pads_trailing(k, packing),
+        pads_trailing(v, packing),
+        is_causal=True,
+    )  # (B, H, L, hd)
+    y = y.transpose(1, 2).reshape(packing.rows * packing.max_len, C)
+    return y[packing.slots][None]
+
+
+def pads_trailing(x, packing):
+    """Packed x (N, H, hd) -> (B, H, L, hd): each sequence from column 0, zeros after it."""
     B = packing.rows
     L = packing.max_len
-    padded = []
-    for x in (q, k, v):
-        rows = x.new_zeros(B * L, *x.shape[1:]).index_copy(0, packing.slots, x)
-        padded.append(rows.view(B, L, n_head, -1).transpose(1, 2))  # (B, H, L, hd)
-    y = F.scaled_dot_product_attention(*padded, is_causal=True)
-    y = y.transpose(1, 2).reshape(B * L, C)
-    return y[packing.slots][None]
+    N, H, hd = x.shape
+    rows = x.new_zeros(B * L, H, hd).index_copy(0, packing.slots, x)
+    return rows.view(B, L, H, hd).transpose(1, 2)
 
 
 # ---- Model
