@@ -129,12 +129,13 @@ def pack(attention_mask, keep):
     # Positions count the real tokens only, as forward's do.
     positions = real.long().cumsum(1) - 1  # (B, T)
     tokens = real.flatten().nonzero().squeeze(1)  # (N,)
+    token_positions = positions.flatten()[tokens]  # (N,)
     row = tokens // real.size(1)
-    slots = row * max_len + positions.flatten()[tokens]
+    slots = row * max_len + token_positions
     keep = keep.flatten()[tokens].nonzero().squeeze(1)  # (n,)
     return Packing(
         tokens=tokens,
-        positions=positions.flatten()[tokens],
+        positions=token_positions,
         cu_seqlens=F.pad(lengths.cumsum(0), (1, 0)).int(),
         slots=slots,
         keep=keep,
@@ -181,7 +182,7 @@ def pads_trailing(x, packing):
     """Packed x (N, H, hd) -> (B, H, L, hd): each sequence from column 0, zeros after it."""
     B = packing.rows
     L = packing.max_len
-    N, H, hd = x.shape
+    H, hd = x.shape[1:]
     rows = x.new_zeros(B * L, H, hd).index_copy(0, packing.slots, x)
     return rows.view(B, L, H, hd).transpose(1, 2)
 

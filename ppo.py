@@ -237,16 +237,16 @@ def forward_values(model, query, response, pad_token_id, eos_token_id):
     input."""
     query_mask = query != pad_token_id
     response_mask = gpt2.response_mask(response, eos_token_id)
-    mask = torch.cat([query_mask, response_mask], 1)
+    input_mask = torch.cat([query_mask, response_mask[:, :-1]], 1)
     inputs = torch.cat([query, response[:, :-1]], 1)
     # Packed where there is padding to skip (one host sync).
-    if model.packing and not mask[:, :-1].all():
+    if model.packing and not input_mask.all():
         # The real tokens only: values (n,) at the real response tokens, then (B, Tr), 0 after.
         keep = torch.cat([torch.zeros_like(query_mask[:, 1:]), response_mask], 1)
-        packing = gpt2.pack(mask[:, :-1], keep)
-        values = model(inputs, mask[:, :-1], packing=packing)
+        packing = gpt2.pack(input_mask, keep)
+        values = model(inputs, input_mask, packing=packing)
         return gpt2.unpack(values, response_mask)
-    return model(inputs, mask[:, :-1], keep_from=query.size(1) - 1)
+    return model(inputs, input_mask, keep_from=query.size(1) - 1)
 
 
 def adam_tf_step(p, g, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps):
