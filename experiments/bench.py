@@ -70,6 +70,7 @@ class Args:
     pack_repeats: int = 3  # packing: timed turns per variant (a 124M pass takes a minute)
     pad_batches: int = 200  # padding: random micro-batches per pass and size
     policy: str = ""  # packing: a trained tiny policy (runs/sft/latest) for grpo's rollouts
+    ragged: bool = False  # packing: grpo's tiny responses stop at random columns (an early policy)
     seed: int = 0  # seed for weights, inputs and sampling
     out: str = ""  # also write all results to this JSON file
 
@@ -396,6 +397,8 @@ def bench_packing(args, device, sync):
             query, response = pass_batch(split, name, PASS_ROWS[name], pad, rng, cut)
             if kind == "arithmetic" and name == "grpo" and args.policy:
                 response = rollouts(args.policy, meta, query)
+            if kind == "arithmetic" and name == "grpo" and args.ragged:
+                response = random_stops(len(query), pad, eos, args.seed)
             query = query.to(device)
             response = response.to(device)
             model = models.get(name, backbone)
@@ -411,6 +414,17 @@ def bench_packing(args, device, sync):
             row |= speedup(times, "packed", "padded", "packed/padded")
             rows.append(show(row))
     return rows
+
+
+def random_stops(rows, pad, eos, seed):
+    """Responses (rows, 16) of random tokens, each stopping at a random column 2..15, pads after:
+    the ragged rollouts of a policy that still errs."""
+    g = torch.Generator().manual_seed(seed)
+    response = torch.randint(0, pad, (rows, 16), generator=g)
+    stops = torch.randint(2, 16, (rows, 1), generator=g)
+    response[torch.arange(16) == stops] = eos
+    response[torch.arange(16) > stops] = pad
+    return response
 
 
 def rollouts(policy_dir, meta, query):
