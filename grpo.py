@@ -7,7 +7,8 @@ The loss is PPO's clipped surrogate plus beta * KL(pi_theta || pi_ref), not a KL
 as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO,
 dual-clip, entropy bonuses, RSO, batch std) are flags, each a branch of a small function
 (docs/variants_grpo.md). Deviations: pi_old's log-probs are the sampler's (the full
-tempered distribution); a minibatch takes an equal share of each group, at any rank count.
+tempered distribution), corrected for the sampler-trainer gap in bf16 (TIS); a minibatch
+takes an equal share of each group, at any rank count.
 
     python grpo.py                                   # from runs/sft/latest, arithmetic verifier
     torchrun --nproc_per_node=2 grpo.py --beta 0.03  # a KL penalty, FSDP2 over 2 ranks
@@ -15,6 +16,7 @@ tempered distribution); a minibatch takes an equal share of each group, at any r
     python grpo.py --scale_rewards none --loss_aggregation dr_grpo             # Dr. GRPO
     python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
     python grpo.py --reward_model runs/reward/latest --no_verifier --data DIR  # a learned reward
+    python grpo.py --sampler_correction sequence_mask --sampler_cap 3  # TRL's correction
     python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
@@ -43,6 +45,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
 import gpt2
+
+# --sampler_correction's choices: TIS truncates pi_old / pi_sampler, MIS masks it
+Correction = Literal[
+    "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+]
 
 
 @dataclass
@@ -90,6 +97,8 @@ class Args:
     rejection_sampling_candidates: int = 0  # RSO: sample this many, keep G (0: off)
     rso_temperature: float = 2.0  # RSO's beta: keep w.p. exp((r - r_max) / this)
     recompute_old_logprobs: bool = False  # π_old from a forward pass, not the sampler's
+    sampler_correction: Correction = "auto"  # weigh by π_old/π_sampler (auto: TIS in bf16)
+    sampler_cap: float = 2.0  # C: the weight truncated at C, or masked outside [1/C, C]
     eval_every: int = 50  # steps between evals (greedy accuracy) and checkpoints
     eval_size: int = 500  # held-out prompts for the eval accuracy (0: no eval)
     eval_samples: int = 0  # n samples per eval prompt for pass@k and mean@n (0: off)
@@ -220,6 +229,31 @@ def importance_log_ratio(log_ratio, mask, level):
     raise ValueError(f"unknown importance level {level!r}")
 
 
+def sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap):
+    """The weight (B, T) of each token's policy loss for sampling from pi_sampler (generate's
+    log-probs) where the loss's pi_old is the trainer's forward: w = pi_old / pi_sampler,
+    truncated at cap or masked outside [1/cap, cap], per token or per response. Also the
+    ratio (B, T) at that level, for the metrics. The same bits on both sides give w = 1 exactly."""
+    log_ratio = torch.where(mask.bool(), old_logprobs - sampler_logprobs, 0.0)
+    if mode.startswith("sequence"):
+        # a response's ratio is the product of its tokens' (TRL's sequence modes)
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    if mode == "none":
+        # no correction: the gap is only measured
+        weights = torch.ones_like(ratio)
+    elif mode in ("token_truncate", "sequence_truncate"):
+        # TIS (Yao et al. 2025): min(w, C), which bounds the variance and keeps every token
+        weights = ratio.clamp(max=cap)
+    elif mode in ("token_mask", "sequence_mask"):
+        # MIS / IcePop (Ring-1T, arXiv 2510.18855): out of the loss where w leaves [1/C, C]
+        inside = (ratio >= 1.0 / cap) & (ratio <= cap)
+        weights = ratio * inside
+    else:
+        raise ValueError(f"unknown sampler correction {mode!r}")
+    return weights, ratio
+
+
 def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
     """PPO's clipped surrogate (B, T) of log pi_theta / pi_old (B, T), advantages (B,),
     the ratio in [1 - clip_low, 1 + clip_high], A < 0's loss capped at -dual_clip A.
@@ -334,6 +368,7 @@ def check_args(args):
     finite = ["lr", "max_grad_norm", "temperature", "beta", "clip_eps_low"]
     finite += ["clip_eps_high", "dual_clip", "missing_eos_penalty", "overlong_penalty"]
     finite += ["entropy_coef", "entropy_target", "entropy_coef_delta", "rso_temperature"]
+    finite += ["sampler_cap"]
     for flag in finite:
         value = getattr(args, flag)
         if value is not None and not math.isfinite(value):
@@ -348,6 +383,9 @@ def check_args(args):
         value = getattr(args, flag)
         if value < 0:
             raise RunError(f"--{flag} {value}: must be >= 0; pass 0 or a positive number")
+    if args.sampler_cap < 1:
+        cap = args.sampler_cap
+        raise RunError(f"--sampler_cap {cap}: must be >= 1 (it bounds pi_old / pi_sampler)")
     if args.clip_eps_low >= 1:
         eps = args.clip_eps_low
         raise RunError(f"--clip_eps_low {eps}: must be < 1 (1 - it is the ratio's floor)")
@@ -431,6 +469,13 @@ def main(args: Args):
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
     # when bf16 is off, autocast is a no-op
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    # The sampler-trainer correction: off in fp32, where both give the same log-probs.
+    correction = args.sampler_correction
+    if correction == "auto":
+        correction = "token_truncate" if bf16 else "none"
+    # It needs the trainer's pi_old for every minibatch: a step of several recomputes it.
+    one_update = args.num_minibatches == 1 and args.num_epochs == 1
+    recompute = args.recompute_old_logprobs or (correction != "none" and not one_update)
     torch.manual_seed(args.seed)
 
     # 2. data, and its reward: the task's verifier and/or a reward model
@@ -672,7 +717,8 @@ def main(args: Args):
         scores = batch["scores"]
         if ref_policy is not None:
             ref_logprobs = in_micro_batches(ref_logprobs_of, query, response)
-        if args.recompute_old_logprobs:
+        sampler_logprobs = batch["logprobs"]
+        if recompute:
             old_logprobs = in_micro_batches(old_logprobs_of, query, response)
         if args.kl_in_reward and ref_logprobs is not None:
             scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
@@ -691,6 +737,9 @@ def main(args: Args):
         sums = {}
         entropy_sum = 0
         grad_norms = []
+        # the sampler-trainer gap, on the tokens whose pi_old is the trainer's
+        gap_sums = {}
+        gap_max = torch.zeros(2, device=device)
         for epoch, minibatch in np.ndindex(args.num_epochs, args.num_minibatches):
             rng = np.random.default_rng([args.seed, step, epoch, 3])
             u = local(rng.random((num_prompts, G)))
@@ -717,8 +766,19 @@ def main(args: Args):
                 else:
                     old = old_logprobs[idx]
                 log_ratio = torch.where(mb_mask.bool(), new_logprobs - old, 0.0)
+                # pi_old / pi_sampler: the trainer's pi_old on the first minibatch, or when
+                # recomputed; elsewhere pi_old is the sampler's (and the correction none)
+                mb_sampler_logprobs = sampler_logprobs[idx]
+                is_weights, is_ratio = sampler_correction(
+                    old_logprobs=old,
+                    sampler_logprobs=mb_sampler_logprobs,
+                    mask=mb_mask,
+                    mode=correction,
+                    cap=args.sampler_cap,
+                )
 
-                # the loss: the surrogate, plus beta x the KL, minus the entropy bonus
+                # the loss: the surrogate, weighed for the sampler, plus beta x the KL, minus
+                # the entropy bonus
                 pg_loss, ratio, clipped = surrogate(
                     importance_log_ratio(log_ratio, mb_mask, args.importance_level),
                     advantages[idx],
@@ -726,6 +786,7 @@ def main(args: Args):
                     clip_high=args.clip_eps_high,
                     dual_clip=args.dual_clip,
                 )
+                pg_loss = pg_loss * is_weights
                 loss = pg_loss
                 kl = None
                 if ref_logprobs is not None and not args.kl_in_reward:
@@ -752,6 +813,21 @@ def main(args: Args):
                         sums[name] = sums.get(name, 0) + (value.double() * mb_mask).sum()
                     if entropy is not None and epoch == 0:
                         entropy_sum = entropy_sum + (entropy.double() * mb_mask).sum()
+                    if epoch == 0 and (minibatch == 0 or recompute):
+                        # KL(pi_sampler || pi_old) per token, k3 of pi_old / pi_sampler
+                        k3 = kl_penalty(mb_sampler_logprobs, old, old, "k3")
+                        cap = args.sampler_cap
+                        outside = (is_ratio < 1.0 / cap) | (is_ratio > cap)
+                        gap = {"k3": k3, "outside": outside, "tokens": torch.ones_like(k3)}
+                        for name, value in gap.items():
+                            gap_sums[name] = (
+                                gap_sums.get(name, 0) + (value.double() * mb_mask).sum()
+                            )
+                        # the largest ratio, and the largest inverse ratio
+                        real = mb_mask.bool()
+                        ratio_max = is_ratio.masked_fill(~real, 0).max()
+                        inverse_max = (1 / is_ratio).masked_fill(~real, 0).max()
+                        gap_max = torch.maximum(gap_max, torch.stack([ratio_max, inverse_max]))
             params = policy.parameters()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):
@@ -791,7 +867,16 @@ def main(args: Args):
                 k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3")
                 kl_sum = (k3 * response_mask).sum()
                 local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
+            gap_tokens = all_reduce(gap_sums["tokens"]).clamp(min=1)
+            local_means["mismatch/k3_kl"] = gap_sums["k3"] / gap_tokens
+            local_means["mismatch/outside_frac"] = gap_sums["outside"] / gap_tokens
             metrics = all_reduce_dict(local_means)
+            if dist.is_initialized():
+                dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
+            ratio_max, inverse_max = gap_max.tolist()
+            metrics["mismatch/ratio_max"] = ratio_max
+            # no loss token at all: no ratio either
+            metrics["mismatch/ratio_min"] = 1 / inverse_max if inverse_max > 0 else 0.0
             # Var[ratio] = E[ratio^2] - E[ratio]^2, which rounding can take a hair below 0
             ratio_squared = metrics.pop("ratio_squared")
             ratio_var = ratio_squared - metrics["val/ratio"] ** 2

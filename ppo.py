@@ -23,8 +23,9 @@ head on the policy) with lm-human-preferences' zero head; TensorFlow's Adam
 global batch's tokens (lm-human-preferences: each minibatch on each rank), so 1 and N
 ranks make the same update with --num_minibatches 1. Options as in grpo.py:
 --dual_clip (arXiv 1912.09729), an entropy bonus --entropy_coef, adaptive with
---entropy_target (Skywork-OR1, arXiv 2505.22312); eval/preference_accuracy where
-pref_test exists.
+--entropy_target (Skywork-OR1, arXiv 2505.22312), --sampler_correction (the policy loss
+weighed by π_old / π_sampler, truncated or masked; TIS in bf16 by default);
+eval/preference_accuracy where pref_test exists.
 
     python ppo.py                      # from runs/sft/latest and runs/reward/latest
     python ppo.py --no_adaptive_kl --kl_coef 0.05            # a fixed KL coefficient
@@ -62,6 +63,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import data
 import gpt2
 
+# --sampler_correction's choices: TIS truncates pi_old / pi_sampler, MIS masks it
+Correction = Literal[
+    "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+]
+
 
 @dataclass
 class Args:
@@ -91,6 +97,8 @@ class Args:
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     cliprange: float = 0.2  # PPO policy ratio clip
+    sampler_correction: Correction = "auto"  # weigh by π_old/π_sampler (auto: TIS in bf16)
+    sampler_cap: float = 2.0  # C: the weight truncated at C, or masked outside [1/C, C]
     dual_clip: float | None = None  # cap the loss at -this x A where A < 0 (verl: 3.0)
     cliprange_value: float = 0.2  # value prediction clip around the rollout's values
     vf_coef: float = 0.1  # weight of the value loss
@@ -154,6 +162,31 @@ def masked_whiten(x, mask, shift_mean=True):
     if not shift_mean:
         whitened = whitened + mean
     return (whitened * m).to(x.dtype)
+
+
+def sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap):
+    """The weight (B, T) of each token's policy loss for sampling from pi_sampler (generate's
+    log-probs) where the loss's pi_old is the trainer's forward: w = pi_old / pi_sampler,
+    truncated at cap or masked outside [1/cap, cap], per token or per response. Also the
+    ratio (B, T) at that level, for the metrics. The same bits on both sides give w = 1 exactly."""
+    log_ratio = torch.where(mask.bool(), old_logprobs - sampler_logprobs, 0.0)
+    if mode.startswith("sequence"):
+        # a response's ratio is the product of its tokens' (TRL's sequence modes)
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    if mode == "none":
+        # no correction: the gap is only measured
+        weights = torch.ones_like(ratio)
+    elif mode in ("token_truncate", "sequence_truncate"):
+        # TIS (Yao et al. 2025): min(w, C), which bounds the variance and keeps every token
+        weights = ratio.clamp(max=cap)
+    elif mode in ("token_mask", "sequence_mask"):
+        # MIS / IcePop (Ring-1T, arXiv 2510.18855): out of the loss where w leaves [1/C, C]
+        inside = (ratio >= 1.0 / cap) & (ratio <= cap)
+        weights = ratio * inside
+    else:
+        raise ValueError(f"unknown sampler correction {mode!r}")
+    return weights, ratio
 
 
 def policy_loss(new_logprobs, logprobs, advantages, cliprange, dual_clip=None):
@@ -386,6 +419,8 @@ def check_args(args):
         value = getattr(args, flag)
         if value is not None and not math.isfinite(value):
             raise bad_flag(flag, "must be a finite number or None")
+    if not (math.isfinite(args.sampler_cap) and args.sampler_cap >= 1):
+        raise bad_flag("sampler_cap", "must be a finite number >= 1 (it bounds π_old/π_sampler)")
     dual_clip = args.dual_clip
     if dual_clip is not None and not (math.isfinite(dual_clip) and dual_clip > 1):
         raise bad_flag("dual_clip", "must be a finite number > 1, or None (verl uses 3)")
@@ -406,6 +441,10 @@ def main(args: Args):
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and on_cuda)
     # With bf16 off, the autocast context is a no-op.
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    # The sampler-trainer correction: off in fp32, where both give the same log-probs.
+    correction = args.sampler_correction
+    if correction == "auto":
+        correction = "token_truncate" if bf16 else "none"
     torch.manual_seed(args.seed)
 
     # 2. data
@@ -541,6 +580,7 @@ def main(args: Args):
         noise = rng.random((args.batch_size, response_length))
         noise = torch.from_numpy(noise[rank_rows]).float().to(device)
         responses = []
+        sampler_logprobs = []
         with ctx:
             for i in micro_idx:
                 query = b_query[i]
@@ -548,13 +588,16 @@ def main(args: Args):
                     policy, query, pad, response_length, eos, temperature, noise[i]
                 )
                 responses.append(rollout.response)
+                sampler_logprobs.append(rollout.logprobs)
         b_response = torch.cat(responses)
+        b_sampler_logprobs = torch.cat(sampler_logprobs)
 
         # 4.2 truncate at the first stop token (the mask keeps it); the columns past
         # every stop go
         b_query, b_response = gpt2.trim_padding(b_query, b_response, pad, eos)
         # b_mask (B, Tr): the response tokens up to and including the stop token
         b_mask = gpt2.response_mask(b_response, eos)
+        b_sampler_logprobs = b_sampler_logprobs[:, : b_response.size(1)]
 
         # 4.3 score: log-probs under the policy (from the training forward, so that the
         # first minibatch's ratio is exactly 1) and the reference, values, the reward
@@ -580,6 +623,14 @@ def main(args: Args):
         b_values = torch.cat(values_parts)
         b_scores = torch.cat(scores_parts)
         b_scores = penalised_scores(b_scores, b_response, eos, args.penalty_reward_value)
+        # the sampler-trainer gap: pi_old (the training forward) / pi_sampler (generate's)
+        b_is_weights, b_is_ratio = sampler_correction(
+            old_logprobs=b_logprobs,
+            sampler_logprobs=b_sampler_logprobs,
+            mask=b_mask,
+            mode=correction,
+            cap=args.sampler_cap,
+        )
 
         # 4.4 per-token rewards: the KL penalty at every token, the score at the last one
         rewards, non_score_reward, kl = per_token_rewards(
@@ -637,6 +688,7 @@ def main(args: Args):
                         cliprange=args.cliprange,
                         dual_clip=args.dual_clip,
                     )
+                    pg_losses = pg_losses * b_is_weights[idx]
                     vf_losses, vf_clipped = value_loss(
                         vpred=vpred,
                         values=b_values[idx],
@@ -681,6 +733,20 @@ def main(args: Args):
             "stopped": (b_response == eos).any(1).sum(),
             "tokens": b_mask.sum() * args.num_ppo_epochs,
         }
+        # the sampler-trainer gap: k3 of KL(pi_sampler || pi_old), the share out of [1/C, C]
+        gap = torch.where(b_mask, b_logprobs - b_sampler_logprobs, 0.0)
+        k3 = torch.expm1(gap) - gap
+        cap = args.sampler_cap
+        outside = (b_is_ratio < 1.0 / cap) | (b_is_ratio > cap)
+        sums["mismatch_k3"] = (k3 * b_mask).sum()
+        sums["mismatch_outside"] = (outside & b_mask).sum()
+        sums["response_tokens"] = b_mask.sum()
+        # the largest ratio, and the largest inverse ratio, over every rank
+        ratio_max = b_is_ratio.masked_fill(~b_mask, 0).max()
+        inverse_max = (1 / b_is_ratio).masked_fill(~b_mask, 0).max()
+        gap_max = torch.stack([ratio_max, inverse_max])
+        if dist.is_initialized():
+            dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
         sums |= token_sums
         totals = all_reduce_dict(sums)
         if not all(math.isfinite(total) for total in totals.values()):
@@ -709,8 +775,14 @@ def main(args: Args):
             "val/ratio": mean_ratio,
             "val/ratio_var": ratio_var,
             "val/stop_frac": totals["stopped"] / args.batch_size,
+            "mismatch/k3_kl": totals["mismatch_k3"] / totals["response_tokens"],
+            "mismatch/outside_frac": totals["mismatch_outside"] / totals["response_tokens"],
             "train/lr": lr,
         }
+        ratio_max, inverse_max = gap_max.tolist()
+        metrics["mismatch/ratio_max"] = ratio_max
+        # no response token at all: no ratio either
+        metrics["mismatch/ratio_min"] = 1 / inverse_max if inverse_max > 0 else 0.0
         if entropy_in_loss:
             metrics["policy/entropy_coef"] = entropy_bonus
         if args.entropy_target is not None:

@@ -1,0 +1,231 @@
+"""The sampler-trainer correction (grpo.py and ppo.py, --sampler_correction, --sampler_cap):
+- each mode's weights against a hand computation, and exactly 1 when the two sides agree bitwise;
+- end to end, with the sampler's log-probs shifted on purpose (gpt2.generate wrapped in process):
+  truncation doubles the policy loss at C = 2, masking drops it, the mismatch metrics see the gap,
+  and no correction ("none", the fp32 default) leaves the run as it was;
+- the fp32 default ("auto") is "none", bit for bit; 1 rank = 2 ranks with a correction on;
+- a cap below 1 is a one-line error in both scripts."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpt2
+import grpo
+import ppo
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+SMALL = (
+    "--num_prompts_per_step 8 --num_samples_per_prompt 4 --micro_batch_size 8 --eval_size 0 "
+    "--response_length 4 --missing_eos_penalty 1 --log_every 1 --lr 3e-4 --total_episodes 64"
+).split()
+
+
+def run(args, nproc=0, script="grpo.py"):
+    cmd = [*TORCHRUN, str(nproc), script, *args] if nproc else [sys.executable, script, *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    """A tiny model after a short SFT: its answers differ, so that groups have reward variance."""
+    out = tmp_path_factory.mktemp("sft")
+    flags = "--total_steps 150 --eval_every 150 --batch_size 64 --micro_batch_size 64 "
+    flags += "--warmup_steps 20 --eval_size 8 --log_every 150"
+    run(["--out_dir", str(out), *flags.split()], script="sft.py")
+    return str(out)
+
+
+# ---- the weights by hand
+
+# two responses of 3 tokens; the second has 2, then padding (a gap there must count nowhere)
+OLD = [[-1.0, -2.0, -0.5], [-0.3, -1.0, 0.0]]
+SAMPLER = [[-1.5, -1.0, -0.5], [-0.1, -0.2, 7.0]]
+MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("mode", ["none", *MODES])
+def test_weights_by_hand(mode):
+    old = torch.tensor(OLD)
+    sampler = torch.tensor(SAMPLER)
+    mask = torch.tensor(MASK)
+    cap = 2.0
+    weights, ratio = grpo.sampler_correction(old, sampler, mask, mode, cap)
+    # token ratios pi_old / pi_sampler: e^0.5, e^-1, 1 | e^-0.2, e^-0.8, (padding) 1
+    token = [[math.exp(0.5), math.exp(-1.0), 1.0], [math.exp(-0.2), math.exp(-0.8), 1.0]]
+    if mode.startswith("sequence"):
+        # the product over each response's real tokens: e^-0.5 and e^-1.0
+        token = [[math.exp(-0.5)] * 3, [math.exp(-1.0)] * 3]
+    expected = torch.tensor(token)
+    torch.testing.assert_close(ratio, expected)
+    if mode == "none":
+        expected = torch.ones(2, 3)
+    elif mode.endswith("truncate"):
+        expected = expected.clamp(max=cap)
+    elif mode.endswith("mask"):
+        # e^-1 = 0.37 and e^-0.8 = 0.45 are below 1/2, and so is the second response's e^-1
+        expected = torch.where((expected < 0.5) | (expected > cap), 0.0, expected)
+    torch.testing.assert_close(weights, expected)
+
+
+def test_mask_modes_drop_ratios_on_either_side_of_the_band():
+    old = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    # ratios 4, 1.5, 1/1.5 and 1/4 against C = 2: the first and last leave [1/2, 2]
+    sampler = -torch.tensor([[math.log(4), math.log(1.5), -math.log(1.5), -math.log(4)]])
+    mask = torch.ones(1, 4)
+    weights, _ = grpo.sampler_correction(old, sampler, mask, "token_mask", 2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 1.5, 1 / 1.5, 0.0]]))
+    weights, _ = grpo.sampler_correction(old, sampler, mask, "token_truncate", 2.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 1.5, 1 / 1.5, 0.25]]))
+
+
+@pytest.mark.parametrize("mode", ["none", *MODES])
+def test_equal_log_probs_give_weights_of_exactly_one(mode):
+    """Where the sampler and the trainer agree bitwise, every mode is an exact no-op."""
+    torch.manual_seed(0)
+    logprobs = -torch.rand(8, 5) * 3
+    mask = (torch.rand(8, 5) > 0.2).float()
+    weights, ratio = grpo.sampler_correction(logprobs, logprobs.clone(), mask, mode, 2.0)
+    assert torch.equal(weights, torch.ones(8, 5)) and torch.equal(ratio, torch.ones(8, 5))
+
+
+def test_ppo_copy_is_grpo_s():
+    """tests/test_copies.py checks the sources; this checks the copy ppo.py imports runs."""
+    args = (torch.tensor(OLD), torch.tensor(SAMPLER), torch.tensor(MASK), "sequence_mask", 3.0)
+    for a, b in zip(grpo.sampler_correction(*args), ppo.sampler_correction(*args)):
+        assert torch.equal(a, b)
+
+
+# ---- end to end: a sampler made to disagree
+
+
+def shifted_generate(shift):
+    """gpt2.generate, with the sampler's log-probs lowered by shift on every response token."""
+    generate = gpt2.generate
+
+    def wrapped(*args, **kwargs):
+        rollout = generate(*args, **kwargs)
+        logprobs = rollout.logprobs - shift * rollout.mask
+        return rollout._replace(logprobs=logprobs)
+
+    return wrapped
+
+
+def grpo_run(out_dir, sft_model, flags):
+    args = ["--model", sft_model, "--out_dir", str(out_dir), *SMALL, *flags]
+    grpo.main(grpo.tyro.cli(grpo.Args, args=args, use_underscores=True))
+    return metrics(out_dir)
+
+
+def test_a_shifted_sampler_is_truncated_or_masked(tmp_path, sft_model, monkeypatch):
+    # pi_old / pi_sampler = e on every token: above C = 2. The first step: one minibatch, whose
+    # pi_old is its own forward
+    monkeypatch.setattr(gpt2, "generate", shifted_generate(1.0))
+    runs = {}
+    for mode in ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]:
+        flags = ["--num_minibatches", "1", "--sampler_correction", mode, "--sampler_cap", "2"]
+        runs[mode] = grpo_run(tmp_path / mode, sft_model, flags)
+    base = runs["none"][0]
+    assert base["train/grad_norm"] > 0
+    for mode, rows in runs.items():
+        m = rows[0]
+        # the gap is measured whatever the mode: k3 of ratio e, every token outside [1/2, 2]
+        assert m["mismatch/k3_kl"] == pytest.approx(math.e - 2, rel=1e-4)
+        assert m["mismatch/outside_frac"] == 1.0
+        if mode.startswith("sequence"):
+            # a response's ratio is e to its length: at least e
+            assert m["mismatch/ratio_min"] >= math.e * 0.9999
+        else:
+            assert m["mismatch/ratio_min"] == pytest.approx(math.e, rel=1e-4)
+            assert m["mismatch/ratio_max"] == pytest.approx(math.e, rel=1e-4)
+        if mode.endswith("truncate"):
+            # every weight is C = 2: twice the loss and the gradient of no correction
+            assert m["loss/policy_avg"] == pytest.approx(2 * base["loss/policy_avg"], rel=1e-6)
+            assert m["train/grad_norm"] == pytest.approx(2 * base["train/grad_norm"], rel=1e-4)
+        elif mode.endswith("mask"):
+            # every token is out of the loss
+            assert m["loss/policy_avg"] == 0 and m["train/grad_norm"] == 0
+
+
+def test_a_correction_recomputes_pi_old_for_later_minibatches(tmp_path, sft_model, monkeypatch):
+    """With two minibatches the second's pi_old is a forward pass (not the shifted sampler's):
+    its ratio stays near 1, and the mismatch is measured over every token."""
+    monkeypatch.setattr(gpt2, "generate", shifted_generate(1.0))
+    flags = ["--num_minibatches", "2", "--sampler_correction", "token_truncate", "--lr", "1e-5"]
+    m = grpo_run(tmp_path / "r", sft_model, flags)[0]
+    assert abs(m["val/ratio"] - 1) < 1e-3 and m["policy/clipfrac_avg"] == 0
+    assert m["mismatch/outside_frac"] == 1.0
+    # no correction: the second minibatch's pi_old is the sampler's, its ratio e
+    flags = ["--num_minibatches", "2", "--sampler_correction", "none", "--lr", "1e-5"]
+    m = grpo_run(tmp_path / "n", sft_model, flags)[0]
+    assert m["val/ratio"] > 1.5 and m["policy/clipfrac_avg"] > 0
+
+
+def test_fp32_default_is_no_correction_bit_for_bit(tmp_path, sft_model):
+    flags = ["--num_minibatches", "2", "--beta", "0.05"]
+    a = grpo_run(tmp_path / "auto", sft_model, flags)
+    b = grpo_run(tmp_path / "none", sft_model, [*flags, "--sampler_correction", "none"])
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if not k.startswith("perf/")} == {
+            k: v for k, v in y.items() if not k.startswith("perf/")
+        }
+    # the trainer and the sampler agree to rounding in fp32
+    assert a[0]["mismatch/k3_kl"] < 1e-9 and abs(a[0]["mismatch/ratio_max"] - 1) < 1e-4
+
+
+def test_one_rank_equals_two_ranks_with_a_correction(tmp_path, sft_model):
+    common = ["--model", sft_model, "--eval_every", "2", "--beta", "0.05", *SMALL]
+    common += ["--num_minibatches", "2", "--sampler_correction", "sequence_mask"]
+    run(["--out_dir", str(tmp_path / "r1"), *common])
+    run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
+    a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in (k for k in x if not k.startswith("perf/")):
+            assert abs(x[k] - y[k]) < 1e-4, (k, x[k], y[k])
+
+
+def test_ppo_measures_and_corrects_a_shifted_sampler(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    tiny = dict(**gpt2.PRESETS["tiny"], vocab_size=257)
+    gpt2.save(gpt2.GPT(gpt2.GPTConfig(**tiny)), str(tmp_path / "sft"))
+    reward = gpt2.ScalarModel(gpt2.GPT(gpt2.GPTConfig(**tiny)), 2.0, -0.5)
+    gpt2.save(reward, str(tmp_path / "rm"))
+    monkeypatch.setattr(gpt2, "generate", shifted_generate(1.0))
+    rows = {}
+    for mode in ["none", "token_mask"]:
+        args = ["--model", str(tmp_path / "sft"), "--reward_model", str(tmp_path / "rm")]
+        args += ["--out_dir", str(tmp_path / mode), "--batch_size", "16", "--micro_batch_size", "4"]
+        args += ["--response_length", "6", "--eval_size", "0", "--total_episodes", "16"]
+        args += ["--sampler_correction", mode]
+        ppo.main(ppo.tyro.cli(ppo.Args, args=args, use_underscores=True))
+        rows[mode] = metrics(tmp_path / mode)[-1]
+    for m in rows.values():
+        assert m["mismatch/ratio_max"] == pytest.approx(math.e, rel=1e-4)
+        assert m["mismatch/outside_frac"] == 1.0
+    assert rows["none"]["loss/policy_avg"] != 0 and rows["token_mask"]["loss/policy_avg"] == 0
+
+
+@pytest.mark.parametrize("script", [grpo, ppo])
+def test_a_cap_below_one_is_a_one_line_error(tmp_path, script):
+    args = ["--out_dir", str(tmp_path / "x"), "--sampler_cap", "0.5", "--model", "tiny"]
+    if script is ppo:
+        args += ["--reward_model", "tiny"]
+    with pytest.raises(gpt2.RunError) as e:
+        script.main(script.tyro.cli(script.Args, args=args, use_underscores=True))
+    assert "--sampler_cap 0.5" in e.value.code and "\n" not in e.value.code, e.value.code
