@@ -1,7 +1,7 @@
 """Group Relative Policy Optimization (GRPO): PPO without a value model.
 
 Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G responses per
-prompt, score them (the task's verifier and/or a reward model from reward.py), and give
+prompt, score them (the task's verifier, a reward.py model and/or --reward_fn), and give
 every token of a response the group-normalised reward (r - mean) / std as its advantage.
 The loss is PPO's clipped surrogate plus beta * KL(pi_theta || pi_ref), not a KL reward
 as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO,
@@ -15,7 +15,7 @@ tempered distribution); a minibatch takes an equal share of each group, at any r
     python grpo.py --scale_rewards none --loss_aggregation dr_grpo             # Dr. GRPO
     python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
     python grpo.py --reward_model runs/reward/latest --no_verifier --data DIR  # a learned reward
-    python grpo.py --reward_fn experiments/reward_fns.py:closeness --reward_weights 0.5  # a plug-in
+    python grpo.py --reward_fn experiments/reward_fns.py:closeness --reward_weights 0.5  # plug-in
     python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
