@@ -1,7 +1,7 @@
 """Group Relative Policy Optimization (GRPO): PPO without a value model.
 
 Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G responses per
-prompt, score them (the task's verifier and/or a reward model from reward.py), and give
+prompt, score them (the task's verifier, a reward.py model and/or --reward_fn), and give
 every token of a response the group-normalised reward (r - mean) / std as its advantage.
 The loss is PPO's clipped surrogate plus beta * KL(pi_theta || pi_ref), not a KL reward
 as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO,
@@ -17,6 +17,7 @@ takes an equal share of each group, at any rank count.
     python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
     python grpo.py --reward_model runs/reward/latest --no_verifier --data DIR  # a learned reward
     python grpo.py --sampler_correction sequence_mask --sampler_cap 3  # TRL's correction
+    python grpo.py --reward_fn experiments/reward_fns.py:closeness --reward_weights 0.5  # plug-in
     python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
@@ -44,6 +45,7 @@ from safetensors import safe_open
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import data
+import data.rewards
 import gpt2
 
 # --sampler_correction's choices: TIS truncates pi_old / pi_sampler, MIS masks it
@@ -59,6 +61,8 @@ class Args:
     data: str = "arithmetic"  # `arithmetic` (built in) or `python -m data.prep`'s dir
     reward_model: str = ""  # a reward.py run dir; adds to the verifier's score
     verifier: bool = True  # score with the task's verifier (1 correct, 0 wrong)
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()  # FILE.py:NAME, a reward function
+    reward_weights: tuple[float, ...] = ()  # a weight per --reward_fn; none: 1 each
     out_dir: str = ""  # run directory; default a fresh runs/grpo/<time>-s<seed>
     overwrite: bool = False  # delete the run already in --out_dir and start afresh
     resume: bool = False  # continue the run in --out_dir from its last checkpoint
@@ -386,6 +390,13 @@ def check_args(args):
     if args.sampler_cap < 1:
         cap = args.sampler_cap
         raise RunError(f"--sampler_cap {cap}: must be >= 1 (it bounds pi_old / pi_sampler)")
+    weights = args.reward_weights
+    if weights and len(weights) != len(args.reward_fn):
+        counts = f"{len(weights)} for {len(args.reward_fn)} --reward_fn"
+        raise RunError(f"--reward_weights: {counts}; pass one per --reward_fn (or none: 1 each)")
+    for weight in weights:
+        if not math.isfinite(weight):
+            raise RunError(f"--reward_weights {weight}: not a finite number; pass one")
     if args.clip_eps_low >= 1:
         eps = args.clip_eps_low
         raise RunError(f"--clip_eps_low {eps}: must be < 1 (1 - it is the ratio's floor)")
@@ -486,8 +497,13 @@ def main(args: Args):
     eos = meta["eos_token_id"]
     n_train = len(train["query"])
     use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
-    if not (use_verifier or args.reward_model):
-        raise RunError("no reward: no verifier (for this task, or --no_verifier): --reward_model")
+    if not (use_verifier or args.reward_model or args.reward_fn):
+        why = "no reward: no verifier (for this task, or --no_verifier)"
+        raise RunError(f"{why}: pass --reward_model or --reward_fn")
+    reward_fns = data.rewards.load_reward_fns(args.reward_fn)
+    # the functions' scores add up weighted, in float64 on the CPU (TRL's reward_weights)
+    weights = args.reward_weights or [1.0] * len(reward_fns)
+    reward_weights = torch.tensor(weights, dtype=torch.float64)
     if args.eval_samples and not use_verifier:
         raise RunError("--eval_samples scores with the task's verifier: this run has none")
     if n_train < num_prompts:
@@ -592,15 +608,20 @@ def main(args: Args):
         response_mask = torch.cat([chunk.mask for chunk in chunks])
         logprobs = torch.cat([chunk.logprobs for chunk in chunks])
 
-        # score: the verifier and/or the reward model, minus the missing-stop penalty
+        # score: the verifier, the reward model and/or the reward functions' weighted sum,
+        # minus the missing-stop penalty
         stopped = (response == eos).any(1)
         scores = torch.zeros(len(query), device=device)
+        truth = np.repeat(train["ground_truth"][prompt_idx], N)
         if use_verifier:
-            truth = np.repeat(train["ground_truth"][prompt_idx], N)
             correct = data.verify_batch(meta, response.tolist(), truth)
             scores += torch.tensor(correct).to(device)
         if reward_model is not None:
             scores += in_micro_batches(reward_of, query, response)
+        if reward_fns:
+            fn_scores = data.rewards.reward_fn_scores(reward_fns, meta, query, response, truth)
+            weighted = (fn_scores * reward_weights).sum(1)
+            scores += weighted.to(device, torch.float32)
         if args.missing_eos_penalty is not None:
             scores -= args.missing_eos_penalty * (~stopped).float()
         if args.overlong_buffer:
@@ -623,6 +644,9 @@ def main(args: Args):
             response_mask=response_mask.float(),
             scores=scores,
         )
+        if reward_fns:
+            # each function's own scores, for its metric
+            batch["reward_fn_scores"] = fn_scores.to(device, torch.float32)  # (B, F)
         if args.rejection_sampling_candidates:
             # RSO: keep G of the N candidates, with uniforms keyed as the noise is
             rng = np.random.default_rng([args.seed, step, round_, 4])
@@ -850,6 +874,9 @@ def main(args: Args):
             # every round's responses
             n_sampled = len(sampled["scores"]) * world_size
             local_means["objective/scores"] = sampled["scores"].sum() / n_sampled
+            for i, reward_fn in enumerate(reward_fns):
+                fn_sum = sampled["reward_fn_scores"][:, i].sum()
+                local_means[f"objective/reward_fn/{reward_fn.name}"] = fn_sum / n_sampled
             lengths = sampled["response_mask"].sum()
             local_means["objective/response_length"] = lengths / n_sampled
             stops = (sampled["response"] == eos).any(1).sum()
