@@ -3,7 +3,8 @@
 It keeps GPT-2's own module names and (in, out) weight layout, so weights move to and from
 Hugging Face as they are. Beyond nanoGPT's model.py:
 - positions come from the attention mask, so left padding changes no logit;
-- generation with a KV cache, one fixed-shape decode step per token (a CUDA graph on GPU);
+- generation with a KV cache, one fixed-shape decode step per token (a CUDA graph on GPU),
+  with top-k and top-p (nucleus) sampling;
 - log-probs of given responses, a chunk of logits at a time;
 - padding-free training passes: a micro-batch's real tokens packed into one row (pack);
 - scalar heads (reward, value);
