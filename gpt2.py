@@ -582,7 +582,7 @@ def kept_tokens(logits, top_k=0, top_p=1.0):
     """(B, V) bool: the tokens that top-k, then top-p (nucleus) sampling keep of logits (B, V).
 
     top-k keeps the k largest logits; top-p then the fewest largest-probability tokens whose
-    mass, under softmax over the tokens top-k kept, reaches top_p (Holtzman et al. 2019), as
+    mass, under softmax over the tokens top-k kept, reaches top_p (Holtzman et al. 2020), as
     Hugging Face's warpers and vLLM chain them. The most likely token is always kept. Equal
     logits are ranked by token id, so the set is the same on every call. Call it on logits
     already divided by the temperature, as both libraries filter after it.
