@@ -3,7 +3,8 @@
 It keeps GPT-2's own module names and (in, out) weight layout, so weights move to and from
 Hugging Face as they are. Beyond nanoGPT's model.py:
 - positions come from the attention mask, so left padding changes no logit;
-- generation with a KV cache, one fixed-shape decode step per token (a CUDA graph on GPU);
+- generation with a KV cache, one fixed-shape decode step per token (a CUDA graph on GPU),
+  with top-k and top-p (nucleus) sampling;
 - log-probs of given responses, a chunk of logits at a time;
 - padding-free training passes: a micro-batch's real tokens packed into one row (pack);
 - scalar heads (reward, value);
@@ -577,24 +578,78 @@ def unsharded(model):
             m.reshard()
 
 
-def sample_token(logits, u, temperature=1.0):
-    """Next token (B,) from logits (B, V): greedy at temperature 0, else inverse CDF at u (B,)."""
+def kept_tokens(logits, top_k=0, top_p=1.0):
+    """(B, V) bool: the tokens that top-k, then top-p (nucleus) sampling keep of logits (B, V).
+
+    top-k keeps the k largest logits; top-p then the fewest largest-probability tokens whose
+    mass, under softmax over the tokens top-k kept, reaches top_p (Holtzman et al. 2020), as
+    Hugging Face's warpers and vLLM chain them. The most likely token is always kept. Equal
+    logits are ranked by token id, so the set is the same on every call. Call it on logits
+    already divided by the temperature, as both libraries filter after it.
+    """
+    V = logits.size(-1)
+    # Descending; stable, so that equal logits keep their id order.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    dropped = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k > 0:
+        rank = torch.arange(V, device=logits.device)
+        dropped = (rank >= top_k).expand_as(sorted_logits)
+    if top_p < 1.0:
+        probs = sorted_logits.masked_fill(dropped, -math.inf).softmax(-1)
+        # The mass of the tokens ranked before each one: 0 for the first, which stays.
+        before = probs.cumsum(-1) - probs
+        dropped = dropped | (before >= top_p)
+    kept = torch.empty_like(sorted_logits, dtype=torch.bool)
+    return kept.scatter_(-1, order, ~dropped)
+
+
+def sampling_logits(logits, temperature, top_k=0, top_p=1.0):
+    """fp32 logits (B, V) / temperature, and -inf at the tokens top_k and top_p filter out.
+
+    Their softmax is the distribution generate samples from: the kept tokens' probabilities,
+    renormalised over the kept set. top_k 0 and top_p 1 are off, and leave the bits as they were.
+    """
+    scaled = logits.float() / temperature
+    if top_k == 0 and top_p == 1.0:
+        return scaled
+    return scaled.masked_fill(~kept_tokens(scaled, top_k, top_p), -math.inf)
+
+
+def sample_token(logits, u, temperature=1.0, top_k=0, top_p=1.0):
+    """Next token (B,) from logits (B, V): greedy at temperature 0, else inverse CDF at u (B,)
+    over softmax(logits / temperature), renormalised over the tokens top_k and top_p keep."""
     if temperature == 0.0:
         return logits.argmax(-1)
-    probs = (logits.float() / temperature).softmax(-1)
+    scaled = sampling_logits(logits, temperature, top_k, top_p)
+    filtered = top_k > 0 or top_p < 1.0
+    return inverse_cdf(scaled, u, filtered)
+
+
+def inverse_cdf(scaled, u, filtered):
+    """The token (B,) at which the cdf of softmax(scaled (B, V)) passes u (B,) times its end.
+
+    filtered: some of scaled are -inf (sampling_logits with top_k or top_p).
+    """
+    probs = scaled.softmax(-1)
     cdf = probs.cumsum(-1)
     # u scaled to the cdf's last value, which rounding keeps from being exactly 1.
     threshold = (u * cdf[:, -1])[:, None]  # (B, 1)
     token = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
-    # A threshold equal to the last value finds no value above it: V, one past the last id.
-    return token.clamp(max=logits.size(-1) - 1)
+    if not filtered:
+        # A threshold equal to the last value finds no value above it: V, one past the last id.
+        return token.clamp(max=scaled.size(-1) - 1)
+    # There, the last token with mass instead: the first at which the cdf reaches its end. A
+    # filtered token's probability is 0, so the cdf never rises at one, and none is drawn.
+    end = cdf[:, -1:].contiguous()  # (B, 1)
+    last = torch.searchsorted(cdf, end).squeeze(-1)
+    return torch.minimum(token, last)
 
 
 class Rollout(NamedTuple):
     query: torch.Tensor  # (B, Tq) the prompts, less the left-pad columns they all share
     response: torch.Tensor  # (B, Tr) pad after the first stop token
     mask: torch.Tensor  # (B, Tr) bool: response tokens up to and including the stop token
-    logprobs: torch.Tensor  # (B, Tr) under logits / temperature, 0 past the stop
+    logprobs: torch.Tensor  # (B, Tr) of sampling_logits' softmax, 0 past the stop
 
 
 @dataclass
@@ -616,9 +671,11 @@ class Decoding:
     pad: int
     eos: int | None
     temperature: float
+    top_k: int
+    top_p: float
 
 
-def new_decoding(model, noise, size, pad, eos, temperature, dtype):
+def new_decoding(model, noise, size, pad, eos, temperature, dtype, top_k=0, top_p=1.0):
     """A Decoding for noise's (B, n) shape, device and dtype, with size cache columns."""
     B, n = noise.shape
     device = noise.device
@@ -638,15 +695,24 @@ def new_decoding(model, noise, size, pad, eos, temperature, dtype):
         pad=pad,
         eos=eos,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
     )
 
 
 def sample(s: Decoding, logits):
     """Sample response token s.t from logits (B, V); record it, its log-prob and the stops."""
     u = s.noise.index_select(1, s.t).squeeze(1)  # (B,)
-    token = sample_token(logits, u, s.temperature)
-    # Greedy's log-probs (temperature 0) are those of the logits themselves.
-    logp = torch.log_softmax(logits.float() / (s.temperature or 1.0), -1)
+    # One filter for the token and its log-prob. Greedy's log-probs (temperature 0) are those
+    # of the logits themselves, filtered alike.
+    scaled = sampling_logits(logits, s.temperature or 1.0, s.top_k, s.top_p)
+    if s.temperature == 0.0:
+        token = logits.argmax(-1)
+    else:
+        filtered = s.top_k > 0 or s.top_p < 1.0
+        token = inverse_cdf(scaled, u, filtered)
+    # The log-prob under the distribution sampled: renormalised over the kept tokens.
+    logp = torch.log_softmax(scaled, -1)
     token_logp = logp.gather(-1, token[:, None])  # (B, 1)
     # A row that has stopped gets padding, and log-prob 0.
     response = torch.where(s.done, s.pad, token).to(s.response.dtype)
@@ -693,7 +759,9 @@ def captured_step(model, s: Decoding):
     B, size = s.real.shape
     n = s.noise.size(1)
     dtypes = (s.noise.dtype, s.response.dtype, autocast_dtype)
-    shape = (B, size, n, s.pad, s.eos, s.temperature, dtypes)
+    # The sampler's settings are constants of the captured kernels.
+    sampler = (s.temperature, s.top_k, s.top_p)
+    shape = (B, size, n, s.pad, s.eos, sampler, dtypes)
     weights = [p.data_ptr() for p in model.parameters()]
     graphs = GRAPHS.setdefault(model, {})
     if shape in graphs and graphs[shape][0] == weights:
@@ -728,13 +796,17 @@ def generate(
     temperature=1.0,
     noise=None,
     cuda_graph=False,
+    top_k=0,
+    top_p=1.0,
 ) -> Rollout:
     """Sample responses (B, max_new_tokens) to left-padded queries (B, Tq) with a KV cache.
 
     noise: the (B, max_new_tokens) uniforms the sampler inverts; the scripts pass a slice of one
     global tensor, so that N ranks sample as one. cuda_graph: on CUDA, replay the decode step
     from a CUDA graph, captured at the first call of each shape. Off by default until a GPU run
-    has checked it (tests/test_decode.py's CUDA test, docs/gpu.md).
+    has checked it (tests/test_decode.py's CUDA test, docs/gpu.md). top_k (0: off) and top_p
+    (1: off): sample from the tokens kept_tokens keeps, renormalised; the log-probs recorded
+    are those of that distribution.
     """
     query, _, unpadded, _ = _trim(query, None, pad_token_id)
     B, Tq = query.shape
@@ -760,6 +832,8 @@ def generate(
         eos=eos_token_id,
         temperature=temperature,
         dtype=query.dtype,
+        top_k=top_k,
+        top_p=top_p,
     )
     graph = None
     with unsharded(model):
@@ -804,24 +878,56 @@ def generate(
     return Rollout(query=query, response=response, mask=mask, logprobs=logprobs)
 
 
-def chunk_logprobs(x, y, t, with_entropy):
-    """log_softmax(x / t) of logits x (n, V) at targets y (n,); the entropy (n,) or None."""
+def trained_logits(x, y, t, top_k=0, top_p=1.0):
+    """fp32 logits x (n, V) / t, -inf outside the tokens top_k and top_p keep and target y (n,)
+    keeps; and that set (n, V) bool, or None when both are off.
+
+    The set is generate's (kept_tokens) plus the target: the sampler drew y from its own set,
+    but pi_theta, a step or a rounding away, may rank y just outside its own, where its
+    log-prob would be -inf and the loss NaN. The set is a selection made from the values of
+    the logits: no gradient flows through it.
+    """
+    scaled = x.float() / t
+    if top_k == 0 and top_p == 1.0:
+        return scaled, None
+    kept = kept_tokens(scaled.detach(), top_k, top_p)
+    kept = kept.scatter(1, y[:, None], True)
+    return scaled.masked_fill(~kept, -math.inf), kept
+
+
+def chunk_logprobs(x, y, t, with_entropy, top_k=0, top_p=1.0):
+    """log_softmax(x / t) of logits x (n, V) at targets y (n,); the entropy (n,) or None.
+
+    With top_k or top_p, both are of the distribution renormalised over trained_logits' set.
+    """
     # generate's formula, so the same bits.
-    logp = (x.float() / t).log_softmax(-1)
+    scaled, kept = trained_logits(x, y, t, top_k, top_p)
+    logp = scaled.log_softmax(-1)
     token_logp = logp.gather(1, y[:, None]).squeeze(1)
     if not with_entropy:
         return token_logp, None
-    return token_logp, -(logp.exp() * logp).sum(-1)
+    if kept is None:
+        return token_logp, -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    # 0 log 0 = 0 at the filtered tokens, not 0 x -inf.
+    logp = logp.masked_fill(~kept, 0)
+    return token_logp, -(p * logp).sum(-1)
 
 
-def chunk_grad(x, y, t, g, g_entropy):
+def chunk_grad(x, y, t, g, g_entropy, top_k=0, top_p=1.0):
     """chunk_logprobs' gradient in x (n, V), for the weights g (n, 1) and g_entropy or None."""
-    logp = (x.float() / t).log_softmax(-1)
-    # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t
-    dx = logp.exp().mul_(-g)
+    scaled, kept = trained_logits(x, y, t, top_k, top_p)
+    logp = scaled.log_softmax(-1)
+    p = logp.exp()
+    # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t, over the kept tokens:
+    # a filtered token has p = 0, and so no gradient.
+    dx = p * -g
     if g_entropy is not None:
-        h = -(logp.exp() * logp).sum(-1, keepdim=True)
-        dx -= g_entropy * logp.exp() * (logp + h)
+        if kept is not None:
+            # 0 log 0 = 0 at the filtered tokens, not 0 x -inf.
+            logp = logp.masked_fill(~kept, 0)
+        h = -(p * logp).sum(-1, keepdim=True)
+        dx -= g_entropy * p * (logp + h)
     return dx.scatter_add_(1, y[:, None], g).div_(t)
 
 
@@ -833,7 +939,8 @@ def compiled(fn):
 
 
 class TokenLogProbs(torch.autograd.Function):
-    """log_softmax(logits / t) (N, V) at targets (N,) and, if asked, the entropy (N,).
+    """log_softmax(logits / t) (N, V) at targets (N,) and, if asked, the entropy (N,); with
+    top_k or top_p, over the tokens they keep (trained_logits).
 
     It takes CHUNK logits at a time. Backward writes the gradient over the saved logits, so they
     must be a temporary that nothing else reads.
@@ -843,17 +950,19 @@ class TokenLogProbs(torch.autograd.Function):
     CHUNK = 1 << 24
 
     @staticmethod
-    def forward(ctx, logits, target, t, with_entropy):
+    def forward(ctx, logits, target, t, with_entropy, top_k=0, top_p=1.0):
         ctx.save_for_backward(logits, target)
         # An entropy that is only logged gets None in backward, and no gradient work.
         ctx.set_materialize_grads(False)
         ctx.t = t
+        ctx.top_k = top_k
+        ctx.top_p = top_p
         ctx.n = max(1, TokenLogProbs.CHUNK // logits.size(1))
         forward = compiled(chunk_logprobs) if logits.is_cuda else chunk_logprobs
         out = []
         entropy = []
         for x, y in zip(logits.split(ctx.n), target.split(ctx.n)):
-            token_logp, token_entropy = forward(x, y, t, with_entropy)
+            token_logp, token_entropy = forward(x, y, t, with_entropy, top_k, top_p)
             out.append(token_logp)
             entropy.append(token_entropy)
         if not with_entropy:
@@ -873,16 +982,21 @@ class TokenLogProbs(torch.autograd.Function):
             g_entropy = None
             if grad_entropy is not None:
                 g_entropy = grad_entropy[rows, None]
-            x.copy_(gradient(x, y, ctx.t, grad[rows, None], g_entropy))
-        return logits, None, None, None
+            g = grad[rows, None]
+            x.copy_(gradient(x, y, ctx.t, g, g_entropy, ctx.top_k, ctx.top_p))
+        return logits, None, None, None, None, None
 
 
-def logprobs(model, query, response, temperature=1.0, entropy=False):
+def logprobs(model, query, response, temperature=1.0, entropy=False, top_k=0, top_p=1.0):
     """Log-probs (B, Tr) fp32 of the responses' tokens after left-padded queries.
 
     They are under logits / temperature, as generate samples them; with them comes the entropy
     (B, Tr) if asked, else None. Both are 0 past each row's stop. The pad and stop ids are
-    model.config's. The logits are the one (B, Tr, V) tensor made.
+    model.config's. The logits are the one (B, Tr, V) tensor made. top_k and top_p (off: 0 and
+    1): both are those of the distribution renormalised over the tokens generate's filter
+    keeps, and the target (trained_logits), so that a policy's ratio compares pi_theta and
+    pi_old on the one distribution the sampler drew from (trl#6789: a ratio whose two log-probs
+    are normalised over different sets carries the log of the kept mass).
     """
     pad = model.config.pad_token_id
     eos = model.config.eos_token_id
@@ -909,7 +1023,7 @@ def logprobs(model, query, response, temperature=1.0, entropy=False):
         logits = model(inputs, attention_mask, keep_from=keep_from, contiguous=contiguous)
         logits = logits.flatten(0, 1)  # (B * Tr', V)
         targets = trimmed.flatten().long()
-    token_logp, token_entropy = TokenLogProbs.apply(logits, targets, t, entropy)
+    token_logp, token_entropy = TokenLogProbs.apply(logits, targets, t, entropy, top_k, top_p)
 
     def as_response(x):
         """(B * Tr',) or (n,) -> (B, Tr): 0 past each row's stop and in the columns trimmed off."""

@@ -77,6 +77,8 @@ class Args:
     micro_batch_size: int = 64  # sequences per forward pass on one rank
     response_length: int = 16  # max new tokens per response
     temperature: float = 1.0  # sampling temperature; the loss's log-probs use it too
+    top_k: int = 0  # sample among the k likeliest tokens; the loss's log-probs too (0: off)
+    top_p: float = 1.0  # nucleus: the fewest likeliest tokens of this mass; as top_k (1: off)
     beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
     kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # per-token KL estimate
     kl_in_reward: bool = False  # beta's KL (k1) in the reward, not the loss (RLOO, verl)
@@ -400,6 +402,10 @@ def check_args(args):
     if args.clip_eps_low >= 1:
         eps = args.clip_eps_low
         raise RunError(f"--clip_eps_low {eps}: must be < 1 (1 - it is the ratio's floor)")
+    if args.top_k < 0:
+        raise RunError(f"--top_k {args.top_k}: must be >= 0 (0: off); pass a whole number")
+    if not 0 < args.top_p <= 1:
+        raise RunError(f"--top_p {args.top_p}: must be in (0, 1] (1: off); pass e.g. 0.9")
     # the flags that depend on each other
     G = args.num_samples_per_prompt
     if G < 2:
@@ -530,7 +536,15 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     # the loss's forward passes
     fwd_policy = torch.compile(policy) if args.compile else policy
-    forward = functools.partial(gpt2.logprobs, fwd_policy, temperature=args.temperature)
+    # pi_theta's log-probs, on the distribution the sampler draws from: top-k and top-p's
+    # tokens, renormalised, as pi_old's (gpt2.logprobs: trl#6789).
+    forward = functools.partial(
+        gpt2.logprobs,
+        fwd_policy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
     args.out_dir = start_run(args, "grpo")
     # eval/preference_accuracy's reference: the policy as loaded, before any --resume
     pref = data.eval_split(args.data, "pref_test", args.eval_size)  # None where absent
@@ -566,10 +580,13 @@ def main(args: Args):
         return gpt2.get_reward(reward_model, query, response, pad, eos)
 
     def ref_logprobs_of(query, response):
+        # The reference's full tempered distribution, with no top-k or top-p: a token from the
+        # policy's nucleus may lie outside the reference's, where a filtered log-prob would be
+        # -inf; on the full one KL(pi_theta's nucleus || pi_ref) is finite (TRL, verl alike).
         return gpt2.logprobs(ref_policy, query, response, args.temperature)[0]
 
     def old_logprobs_of(query, response):
-        return gpt2.logprobs(fwd_policy, query, response, args.temperature)[0]
+        return forward(query, response)[0]
 
     def rollout(step, round_):
         """Generate and score responses to this rank's share of a step's prompts.
@@ -601,6 +618,8 @@ def main(args: Args):
                     eos_token_id=eos,
                     temperature=args.temperature,
                     noise=u,
+                    top_k=args.top_k,
+                    top_p=args.top_p,
                 )
                 chunks.append(chunk)
         # each chunk trimmed its own queries' padding: the queries are kept whole

@@ -89,6 +89,8 @@ class Args:
     micro_batch_size: int = 64  # sequences per forward pass on one rank
     response_length: int = 16  # max new tokens per response
     temperature: float = 0.7  # sampling temperature; training log-probs use it too
+    top_k: int = 0  # sample among the k likeliest tokens; training log-probs too (0: off)
+    top_p: float = 1.0  # nucleus: the fewest likeliest tokens of this mass; as top_k (1: off)
     kl_coef: float = 0.2  # initial coefficient of the per-token KL penalty
     adaptive_kl: bool = True  # adapt kl_coef towards --target_kl (Ziegler et al. 2019)
     target_kl: float = 0.3  # target KL to the reference, in nats per response
@@ -415,6 +417,10 @@ def check_args(args):
     for flag in ["gamma", "lam"]:
         if not 0 <= getattr(args, flag) <= 1:
             raise bad_flag(flag, "must be in [0, 1]")
+    if args.top_k < 0:
+        raise bad_flag("top_k", "must be at least 0 (0: off)")
+    if not 0 < args.top_p <= 1:
+        raise bad_flag("top_p", "must be in (0, 1] (1: off)")
     for flag in ["penalty_reward_value", "entropy_target"]:
         value = getattr(args, flag)
         if value is not None and not math.isfinite(value):
@@ -512,6 +518,15 @@ def main(args: Args):
     entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
     temperature = args.temperature
     response_length = args.response_length
+    # The policy's log-probs (pi_old's and pi_theta's) on the distribution the sampler draws
+    # from: top-k and top-p's tokens, renormalised (gpt2.logprobs: trl#6789).
+    policy_logprobs = functools.partial(
+        gpt2.logprobs,
+        fwd_policy,
+        temperature=temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
 
     def evaluate():
         """Greedy responses to prompt_test (a strided share per rank): the mean score
@@ -585,7 +600,15 @@ def main(args: Args):
             for i in micro_idx:
                 query = b_query[i]
                 rollout = gpt2.generate(
-                    policy, query, pad, response_length, eos, temperature, noise[i]
+                    policy,
+                    query,
+                    pad_token_id=pad,
+                    max_new_tokens=response_length,
+                    eos_token_id=eos,
+                    temperature=temperature,
+                    noise=noise[i],
+                    top_k=args.top_k,
+                    top_p=args.top_p,
                 )
                 responses.append(rollout.response)
                 sampler_logprobs.append(rollout.logprobs)
@@ -610,7 +633,9 @@ def main(args: Args):
             for i in micro_idx:
                 query = b_query[i]
                 response = b_response[i]
-                logprobs = gpt2.logprobs(fwd_policy, query, response, temperature)[0]
+                logprobs = policy_logprobs(query, response)[0]
+                # The reference on its full tempered distribution: a token of the policy's
+                # nucleus may lie outside the reference's (-inf there); TRL and verl alike.
                 ref_logprobs = gpt2.logprobs(ref_policy, query, response, temperature)[0]
                 values = forward_values(fwd_value, query, response, pad, eos)
                 scores = gpt2.get_reward(reward_model, query, response, pad, eos)
@@ -677,8 +702,8 @@ def main(args: Args):
                     mask = b_mask[idx]
                     logprobs = b_logprobs[idx]
                     with ctx:
-                        new_logprobs, entropy = gpt2.logprobs(
-                            fwd_policy, query, response, temperature, need_entropy
+                        new_logprobs, entropy = policy_logprobs(
+                            query, response, entropy=need_entropy
                         )
                         vpred = forward_values(fwd_value, query, response, pad, eos)
                     pg_losses, ratio, pg_clipped = policy_loss(

@@ -154,11 +154,11 @@ def test_generate_equals_the_replaced_generate_at_the_benchmark_shape():
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def prefilled(model, query, n, temperature=1.0):
+def prefilled(model, query, n, temperature=1.0, top_k=0, top_p=1.0):
     """A Decoding after the prompt, as generate has it before the decode loop (full width)."""
     B, Tq = query.shape
     noise = torch.rand(B, n, generator=torch.Generator().manual_seed(5))
-    s = gpt2.new_decoding(model, noise, 64, PAD, PAD, temperature, query.dtype)
+    s = gpt2.new_decoding(model, noise, 64, PAD, PAD, temperature, query.dtype, top_k, top_p)
     real = query != PAD
     s.real[:, :Tq] = real
     s.pos.copy_(real.sum(1, keepdim=True))
@@ -171,7 +171,8 @@ def prefilled(model, query, n, temperature=1.0):
 
 
 def test_no_graph_breaks_in_the_training_forward_and_the_decode_step():
-    """torch.compile(fullgraph=True) can take both: dynamo's explain finds one graph each."""
+    """torch.compile(fullgraph=True) can take both: dynamo's explain finds one graph each;
+    and the decode step with top-k and top-p too."""
     torch._dynamo.reset()
     model = tiny_model().train()
     query = batch()[1]
@@ -179,11 +180,12 @@ def test_no_graph_breaks_in_the_training_forward_and_the_decode_step():
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
     model.eval()
-    s = prefilled(model, query, 8)
-    with torch.no_grad():
-        explain = torch._dynamo.explain(gpt2.decode_step)(model, s)
-    assert explain.graph_break_count == 0, explain.break_reasons
-    assert explain.graph_count == 1
+    for top_k, top_p in [(0, 1.0), (5, 0.8)]:
+        s = prefilled(model, query, 8, top_k=top_k, top_p=top_p)
+        with torch.no_grad():
+            explain = torch._dynamo.explain(gpt2.decode_step)(model, s)
+        assert explain.graph_break_count == 0, explain.break_reasons
+        assert explain.graph_count == 1
     torch._dynamo.reset()
 
 
@@ -220,9 +222,10 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_decode_step_never_syncs_with_the_host():
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.8)])
+def test_the_decode_step_never_syncs_with_the_host(top_k, top_p):
     model, query = tiny_model(), batch()[1]
-    s = prefilled(model, query, 8)
+    s = prefilled(model, query, 8, top_k=top_k, top_p=top_p)
     with torch.no_grad(), Ops() as ops:
         for _ in range(4):
             gpt2.decode_step(model, s)
@@ -247,7 +250,8 @@ def test_autocast_casts_each_weight_once_per_generate(n):
 
 def test_cuda_graph_equals_eager_and_follows_optimizer_steps():
     """On a GPU (skipped without): the captured step replays eager's bits, with a stop token
-    mid-way, from the cache at a second call, and after an optimizer step changed the weights."""
+    mid-way, from the cache at a second call, and after an optimizer step changed the weights;
+    with top-k and top-p, from a capture of its own."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     devices = os.environ.get("RLHF_TEST_CUDA_VISIBLE_DEVICES", "all")
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -277,12 +281,13 @@ query = torch.where(torch.arange(16, device="cuda") >= 16 - lengths, query, PAD)
 noise = torch.rand(64, 32, device="cuda")
 
 
-def both(eos, dtype):
+def both(eos, dtype, top_k=0, top_p=1.0):
+    sampler = dict(top_k=top_k, top_p=top_p)
     with torch.autocast("cuda", dtype, enabled=dtype is not None):
-        eager = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=False)
-        graph = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=True)
+        eager = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=False, **sampler)
+        graph = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=True, **sampler)
     for a, b in zip(eager, graph):
-        assert torch.equal(a, b), (eos, dtype)
+        assert torch.equal(a, b), (eos, dtype, top_k, top_p)
     return graph
 
 
@@ -299,6 +304,11 @@ for dtype in (None, torch.bfloat16):
     optimizer.zero_grad()
     moved = both(eos, dtype)
     assert not torch.equal(moved.logprobs, stopped.logprobs)
+    # top-k and top-p: a capture of their own (the settings are in its key), eager's bits, and
+    # other samples than the unfiltered graph's.
+    nucleus = both(eos, dtype, top_k=50, top_p=0.8)
+    assert not torch.equal(nucleus.logprobs, moved.logprobs)
+    assert torch.equal(both(eos, dtype).logprobs, moved.logprobs)
 graphs = gpt2.GRAPHS[model]
 print(len(graphs), "captures")
 print("graph == eager")

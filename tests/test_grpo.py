@@ -381,6 +381,39 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(tmp_path, sf
         assert any(m["objective/dropped_groups"] > 0 for m in a[1:])
 
 
+def test_top_p_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(tmp_path, sft_model):
+    """--top_k 50 --top_p 0.9: 1 rank == 2 ranks and the first-minibatch invariant. The
+    reference keeps the full distribution, so step 1's KL is the truncation's own, > 0."""
+    common = ["--model", sft_model, "--total_episodes", "64", "--eval_every", "2", "--beta", "0.05"]
+    common += [*SMALL, "--top_k", "50", "--top_p", "0.9"]
+    run(["--out_dir", str(tmp_path / "r1"), *common], nproc=1)
+    run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
+    a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2]
+    assert a[1]["train/grad_norm"] > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in (k for k in x if not k.startswith("perf/")):
+            assert abs(x[k] - y[k]) < 1e-4, (k, x[k], y[k])
+    for m in a[1:]:
+        assert abs(m["val/ratio"] - 1) < 1e-6 and abs(m["val/ratio_var"]) < 1e-10
+        assert m["policy/approxkl_avg"] < 1e-10 and m["policy/clipfrac_avg"] == 0
+    assert a[1]["objective/kl"] > 1e-6
+
+
+def test_top_p_sampler_log_probs_are_the_trainers(tmp_path, sft_model):
+    """--lr 0 and 2 minibatches: the second minibatch's pi_old is the sampler's log-prob, its
+    pi_theta the loss's forward of the same weights. Both over the kept tokens, renormalised,
+    so the ratio is 1 to rounding; a trainer on the full vocabulary would read the kept mass
+    (trl#6789)."""
+    flags = ["--model", sft_model, "--total_episodes", "32", *SMALL, "--lr", "0"]
+    flags += ["--num_minibatches", "2", "--top_p", "0.7", "--out_dir", str(tmp_path)]
+    run(flags)
+    m = metrics(tmp_path)[-1]
+    assert m["step"] == 1 and abs(m["val/ratio"] - 1) < 1e-5, m
+    assert m["policy/approxkl_avg"] < 1e-10 and m["train/grad_norm"] > 0, m
+
+
 def test_reference_of_a_random_tiny_model_is_its_copy(tmp_path):
     """--model tiny: the reference is a copy of the policy as loaded, not a second random init."""
     run(
@@ -559,6 +592,10 @@ BAD = {  # flags: the error
     "--rso_temperature 0": "--rso_temperature 0.0: must be > 0",
     "--overlong_buffer 5": "--overlong_buffer 5: more than --response_length 4",
     "--no_verifier --reward_model /x --eval_samples 2": "--eval_samples scores with the task's verifier",
+    "--top_k -1": "--top_k -1: must be >= 0",
+    "--top_p 0": "--top_p 0.0: must be in (0, 1]",
+    "--top_p 1.5": "--top_p 1.5: must be in (0, 1]",
+    "--top_p nan": "--top_p nan: must be in (0, 1]",
 }
 
 

@@ -309,6 +309,17 @@ def test_random_tiny_policy_is_its_own_reference(models, tmp_path):
     assert "eval/score" not in m and "policy/entropy_avg" in m
 
 
+def test_top_p_first_minibatch_ratio_is_one(models, tmp_path):
+    """--top_k 20 --top_p 0.9: pi_old and pi_theta both over the kept tokens, from the same
+    forward: ratio exactly 1. The reference keeps the full distribution: a KL > 0 at step 1."""
+    flags = ["--total_episodes", "16", "--num_ppo_epochs", "1", "--num_minibatches", "1"]
+    flags += ["--eval_size", "0", "--top_k", "20", "--top_p", "0.9"]
+    run(models, tmp_path, "--model", "tiny", *flags)
+    (m,) = metrics(tmp_path)
+    assert m["step"] == 1 and m["val/ratio"] == 1 and m["policy/approxkl_avg"] == 0
+    assert m["objective/kl"] > 0
+
+
 def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_path):
     flags = ["--total_episodes", "48", "--num_minibatches", "1", "--num_ppo_epochs", "1"]
     flags += ["--eval_every", "2"]
@@ -351,6 +362,8 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_
         (["--lr", "-1"], "--lr -1"),
         (["--batch_size", "0"], "--batch_size 0"),
         (["--gamma", "1.5"], "--gamma 1.5"),
+        (["--top_k", "-1"], "--top_k -1: must be at least 0"),
+        (["--top_p", "0"], "--top_p 0.0: must be in (0, 1]"),
         (["--lr", "1e12"], "non-finite PPO statistics at update 1"),  # diverges at once
     ],
 )
