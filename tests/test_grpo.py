@@ -77,7 +77,7 @@ NEW, REF, OLD = [-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5], [-1.2, -2.5, -0.4]
 def test_kl_estimator_values_and_gradients(est):
     new = torch.tensor(NEW, dtype=torch.float64, requires_grad=True)
     ref, old = torch.tensor(REF, dtype=torch.float64), torch.tensor(OLD, dtype=torch.float64)
-    (value := grpo.kl_penalty(new, ref, old, est)).sum().backward()
+    (value := grpo.kl_penalty(new, ref, new - old, est)).sum().backward()
     for n, r, o, v, g in zip(NEW, REF, OLD, value.tolist(), new.grad.tolist()):
         x, w = n - r, math.exp(n - o)  # log(pi/pi_ref), importance weight pi/pi_old
         want = dict(k1=(x, 1), k2=(x * x / 2, x), k3=(math.exp(-x) - 1 + x, 1 - math.exp(-x)))
@@ -91,7 +91,7 @@ def expected_grad(est, theta, logq, theta_old):
     weighted by pi_old."""
     theta = theta.clone().requires_grad_(True)
     logp, logp_old = torch.log_softmax(theta, 0), torch.log_softmax(theta_old, 0)
-    (logp_old.exp() * grpo.kl_penalty(logp, logq, logp_old, est)).sum().backward()
+    (logp_old.exp() * grpo.kl_penalty(logp, logq, logp - logp_old, est)).sum().backward()
     return theta.grad
 
 
@@ -122,12 +122,12 @@ def test_extreme_log_ratios_are_clamped_so_loss_and_gradient_stay_finite():
     for est in choices("kl_estimator"):
         for beta in (0.0, 0.1):
             new.grad = None
-            kl = grpo.kl_penalty(new, ref, old, est)
-            loss = grpo.grpo_loss(new - old, torch.tensor([1.0]), 0.2, 0.2)[0] + beta * kl
+            kl = grpo.kl_penalty(new, ref, new - old, est)
+            loss = grpo.grpo_loss(new - old, torch.tensor([[1.0]]), mask, 0.2, 0.2)[0] + beta * kl
             (loss * grpo.loss_weights(mask, "token")).sum().backward()
             assert torch.isfinite(loss).all() and torch.isfinite(new.grad).all(), est
     clamp = grpo.KL_CLAMP
-    assert grpo.kl_penalty(new, ref, old, "k1").tolist() == [[-clamp, clamp, 0.0]]
+    assert grpo.kl_penalty(new, ref, new - old, "k1").tolist() == [[-clamp, clamp, 0.0]]
 
 
 # ---- advantages
@@ -165,7 +165,7 @@ def surrogate_grad(ratio, advantages, clip_low, clip_high, level="token", mask=N
     new = ratio.log().clone().requires_grad_(True)
     mask = torch.ones_like(ratio) if mask is None else mask
     logratio = grpo.importance_log_ratio(torch.where(mask.bool(), new, 0.0), mask, level)
-    loss, ratio, clipped = grpo.grpo_loss(logratio, advantages, clip_low, clip_high)
+    loss, ratio, clipped = grpo.grpo_loss(logratio, advantages[:, None], mask, clip_low, clip_high)
     (loss * mask).sum().backward()
     return new.grad, ratio.detach(), clipped
 
@@ -190,7 +190,7 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
         (3.0, [3, 2, -1.2], [0, 2, 0]),
     ):
         log_ratio = ratio.log().requires_grad_(True)
-        loss = grpo.grpo_loss(log_ratio, adv, 0.2, 0.2, dual_clip)[0]
+        loss = grpo.grpo_loss(log_ratio, adv[:, None], torch.ones(3, 1), 0.2, 0.2, dual_clip)[0]
         loss.sum().backward()
         assert loss.flatten().tolist() == pytest.approx(want_loss)
         assert log_ratio.grad.flatten().tolist() == pytest.approx(want_grad)  # d(-A rho)/d log rho
@@ -201,7 +201,7 @@ def test_cispo_caps_the_weight_not_the_gradient():
     token, where PPO's clipped surrogate gives ratios 1.5 and 3 no gradient at all."""
     rho = [0.5, 1.0, 1.5, 3.0]
     log_ratio = torch.tensor([rho]).log().requires_grad_(True)
-    loss, ratio, capped = grpo.cispo_loss(log_ratio, torch.tensor([2.0]), 0.2, 0.28)
+    loss, ratio, capped = grpo.cispo_loss(log_ratio, torch.tensor([[2.0]]), torch.ones(1, 4), 0.28)
     loss.sum().backward()
     weights = [0.5, 1.0, 1.28, 1.28]
     assert log_ratio.grad[0].tolist() == pytest.approx([-2 * w for w in weights])
@@ -334,8 +334,9 @@ def test_pad_other_than_eos_gives_the_same_logprobs_losses_and_rewards():
         new, _ = gpt2.logprobs(model, q, r, 1.0)
         old, ref = (new - 0.1 * mask).detach(), (new + 0.2).detach()
         logratio = torch.where(mask.bool(), new - old, 0.0)
-        loss = grpo.grpo_loss(logratio, torch.tensor([1.0, -1.0, 0.5, 2.0]), 0.2, 0.28)[0]
-        loss = loss + 0.1 * grpo.kl_penalty(new, ref, old, "k3")
+        advantages = torch.tensor([[1.0], [-1.0], [0.5], [2.0]])
+        loss = grpo.grpo_loss(logratio, advantages, mask, 0.2, 0.28)[0]
+        loss = loss + 0.1 * grpo.kl_penalty(new, ref, logratio, "k3")
         agg = [(loss * grpo.loss_weights(mask, how)).sum() for how in choices("loss_aggregation")]
         out[pad] = [new * mask, *agg, gpt2.get_reward(rm, q, r, pad, EOS)]
     for a, b in zip(out[EOS], out[257]):
