@@ -4,9 +4,9 @@ Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G response
 prompt, score them (the task's verifier and/or a reward model from reward.py), and give
 every token of a response the group-normalised reward (r - mean) / std as its advantage.
 The loss is PPO's clipped surrogate plus beta * KL(pi_theta || pi_ref), not a KL reward
-as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO,
-dual-clip, entropy bonuses, RSO, batch std) are flags, each a branch of a small function
-(docs/variants_grpo.md). Deviations: pi_old's log-probs are the sampler's (the full
+as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO, SAPO,
+GMPO, REINFORCE++, dual-clip, entropy bonuses, RSO, batch std) are flags, each a branch of
+a small function (docs/variants_grpo.md). Deviations: pi_old's log-probs are the sampler's (the full
 tempered distribution); a minibatch takes an equal share of each group, at any rank count.
 
     python grpo.py                                   # from runs/sft/latest, arithmetic verifier
@@ -14,6 +14,8 @@ tempered distribution); a minibatch takes an equal share of each group, at any r
     python grpo.py --clip_eps_high 0.28 --dynamic_sampling --overlong_buffer 4  # DAPO
     python grpo.py --scale_rewards none --loss_aggregation dr_grpo             # Dr. GRPO
     python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
+    python grpo.py --loss_type sapo --loss_aggregation sequence  # SAPO's soft gate
+    python grpo.py --advantage reinforce_plus_plus --beta 0.01  # REINFORCE++: KL in the reward
     python grpo.py --reward_model runs/reward/latest --no_verifier --data DIR  # a learned reward
     python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
