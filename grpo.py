@@ -182,7 +182,7 @@ def kl_in_reward(scores, logprobs, ref_logprobs, mask, beta):
     return scores - beta * ((logprobs - ref_logprobs) * mask).sum(1)
 
 
-def masked_whiten(values, mask):
+def batch_whiten(values, mask):
     """(values - mean) / sqrt(var + 1e-8), the mean and the unbiased variance over the
     tokens of mask on every rank (verl's masked_whiten, over the global batch)."""
     values = values.double()
@@ -207,7 +207,7 @@ def reinforce_plus_plus_advantages(scores, logprobs, ref_logprobs, response_mask
     rewards = rewards + scores[:, None] * (columns == last)
     # sum_{s >= t} r_s: a cumulative sum from the end
     returns = rewards.flip(1).cumsum(1).flip(1)
-    return masked_whiten(returns, mask) * mask
+    return batch_whiten(returns, mask) * mask
 
 
 def overlong_penalty(lengths, max_length, buffer, penalty):
