@@ -4,17 +4,19 @@ Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), Sec. 4.1: sample G response
 prompt, score them (the task's verifier, a reward.py model and/or --reward_fn), and give
 every token of a response the group-normalised reward (r - mean) / std as its advantage.
 The loss is PPO's clipped surrogate plus beta * KL(pi_theta || pi_ref), not a KL reward
-as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO,
-dual-clip, entropy bonuses, RSO, batch std) are flags, each a branch of a small function
-(docs/variants_grpo.md). Deviations: pi_old's log-probs are the sampler's (the full
-tempered distribution), corrected for the sampler-trainer gap in bf16 (TIS); a minibatch
-takes an equal share of each group, at any rank count.
+as in PPO-RLHF. Later findings (KL estimators, DAPO, Dr. GRPO, GSPO, RLOO, CISPO, SAPO,
+GMPO, REINFORCE++, dual-clip, entropy bonuses, RSO, batch std) are flags, each a branch of
+a small function (docs/variants_grpo.md). Deviations: pi_old's log-probs are the sampler's
+(the full tempered distribution), corrected for the sampler-trainer gap in bf16 (TIS); a
+minibatch takes an equal share of each group, at any rank count.
 
     python grpo.py                                   # from runs/sft/latest, arithmetic verifier
     torchrun --nproc_per_node=2 grpo.py --beta 0.03  # a KL penalty, FSDP2 over 2 ranks
     python grpo.py --clip_eps_high 0.28 --dynamic_sampling --overlong_buffer 4  # DAPO
     python grpo.py --scale_rewards none --loss_aggregation dr_grpo             # Dr. GRPO
     python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
+    python grpo.py --loss_type sapo --loss_aggregation sequence  # SAPO's soft gate
+    python grpo.py --advantage reinforce_plus_plus --beta 0.01  # REINFORCE++: KL in the reward
     python grpo.py --reward_model runs/reward/latest --no_verifier --data DIR  # a learned reward
     python grpo.py --sampler_correction sequence_mask --sampler_cap 3  # TRL's correction
     python grpo.py --reward_fn experiments/reward_fns.py:closeness --reward_weights 0.5  # plug-in
@@ -80,14 +82,16 @@ class Args:
     top_k: int = 0  # sample among the k likeliest tokens; the loss's log-probs too (0: off)
     top_p: float = 1.0  # nucleus: the fewest likeliest tokens of this mass; as top_k (1: off)
     beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
-    kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # per-token KL estimate
+    kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # k4, k3_ratio: x the ratio
     kl_in_reward: bool = False  # beta's KL (k1) in the reward, not the loss (RLOO, verl)
-    loss_type: Literal["ppo", "cispo"] = "ppo"  # clipped surrogate, or CISPO (MiniMax-M1)
-    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - this (PPO: 0.2)
-    clip_eps_high: float = 0.2  # and above at 1 + this (DAPO: 0.28; CISPO's cap)
+    loss_type: Literal["ppo", "cispo", "sapo", "gmpo"] = "ppo"  # the surrogate (variants_grpo.md)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - this (GMPO: log ratio at -this)
+    clip_eps_high: float = 0.2  # and above at 1 + this (DAPO: 0.28; CISPO's cap; GMPO: log)
     dual_clip: float | None = None  # cap the loss at -this x A where A < 0 (verl: 3.0)
     importance_level: Literal["token", "sequence"] = "token"  # ratios per token or GSPO's
-    advantage: Literal["grpo", "rloo"] = "grpo"  # r - group mean [/ std] or leave-one-out
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (TRL's and verl's 1.0)
+    sapo_tau_neg: float = 1.05  # and where A <= 0 (TRL's and verl's 1.05)
+    advantage: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"  # group's, RLOO, REINFORCE++
     scale_rewards: Literal["group", "batch", "none"] = "group"  # r - mean over whose std
     batch_norm_advantages: bool = False  # whiten the advantages again over the batch
     loss_aggregation: Literal["token", "sequence", "dr_grpo"] = "token"  # the loss's mean
@@ -124,11 +128,13 @@ class Args:
 KL_CLAMP = 40.0
 
 
-def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator):
+def kl_penalty(new_logprobs, ref_logprobs, log_ratio, estimator):
     """Estimates (B, T) of KL(pi_theta || pi_ref) at tokens sampled from pi_old,
     differentiable in new_logprobs (Schulman's note "Approximating KL divergence";
-    which gradients are unbiased: docs/variants_grpo.md). logr = log pi_theta / pi_ref
-    is clamped: past ~88, k3's exp(-logr) is inf in fp32."""
+    which gradients are unbiased: docs/variants_grpo.md). log_ratio: the surrogate's
+    log pi_theta / pi_old, k4's and k3_ratio's weight w (per token, or GSPO's per
+    sequence, as TRL's). logr = log pi_theta / pi_ref is clamped: past ~88, k3's
+    exp(-logr) is inf in fp32."""
     logr = (new_logprobs - ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)
     if estimator == "k3":
         # DeepSeekMath eq. 4: pi_ref / pi - log(pi_ref / pi) - 1, never negative
@@ -141,10 +147,10 @@ def kl_penalty(new_logprobs, ref_logprobs, old_logprobs, estimator):
         kl = 0.5 * logr.square()
     elif estimator == "k4":
         # w logr, w = pi_theta / pi_old: unbiased off-policy (open-instruct #534)
-        kl = torch.exp(new_logprobs - old_logprobs) * logr
+        kl = torch.exp(log_ratio) * logr
     elif estimator == "k3_ratio":
         # w k3: the importance-corrected k3 (DeepSeek-V3.2; TRL's default)
-        kl = torch.exp(new_logprobs - old_logprobs) * (torch.expm1(-logr) + logr)
+        kl = torch.exp(log_ratio) * (torch.expm1(-logr) + logr)
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}")
     return kl
@@ -189,6 +195,34 @@ def group_advantages(scores, group_size, advantage="grpo", scale="group"):
 def kl_in_reward(scores, logprobs, ref_logprobs, mask, beta):
     """Scores (B,) - beta sum_t (log pi_old - log pi_ref): the KL (k1) as a reward."""
     return scores - beta * ((logprobs - ref_logprobs) * mask).sum(1)
+
+
+def batch_whiten(values, mask):
+    """(values - mean) / sqrt(var + 1e-8), the mean and the unbiased variance over the
+    tokens of mask on every rank (verl's masked_whiten, over the global batch)."""
+    values = values.double()
+    moments = torch.stack([mask.sum(), (values * mask).sum(), (values.square() * mask).sum()])
+    n, total, squares = all_reduce(moments.double())
+    mean = total / n.clamp(min=1)
+    var = (squares - total * mean) / (n - 1).clamp(min=1)
+    return ((values - mean) / torch.sqrt(var.clamp(min=0) + 1e-8)).float()
+
+
+def reinforce_plus_plus_advantages(scores, logprobs, ref_logprobs, response_mask, mask, beta):
+    """REINFORCE++ (arXiv 2501.03262) as verl's reinforce_plus_plus: the per-token
+    reward (B, T) is -beta (log pi_old - log pi_ref) (k1; none without a reference) plus
+    the score at the response's last token; the advantage is its return-to-go (gamma 1),
+    whitened over the loss's tokens of every rank. No group baseline."""
+    rewards = torch.zeros_like(response_mask)
+    if ref_logprobs is not None:
+        rewards = -beta * (logprobs - ref_logprobs) * response_mask
+    # the response mask is a prefix: its last token is at its length - 1
+    last = response_mask.sum(1, True) - 1
+    columns = torch.arange(response_mask.shape[1], device=scores.device)
+    rewards = rewards + scores[:, None] * (columns == last)
+    # sum_{s >= t} r_s: a cumulative sum from the end
+    returns = rewards.flip(1).cumsum(1).flip(1)
+    return batch_whiten(returns, mask) * mask
 
 
 def overlong_penalty(lengths, max_length, buffer, penalty):
@@ -260,12 +294,12 @@ def sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap):
     return weights, ratio
 
 
-def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
-    """PPO's clipped surrogate (B, T) of log pi_theta / pi_old (B, T), advantages (B,),
-    the ratio in [1 - clip_low, 1 + clip_high], A < 0's loss capped at -dual_clip A.
-    Also the ratio, and where it was clipped."""
+def grpo_loss(log_ratio, advantages, mask, clip_low, clip_high, dual_clip=None):
+    """PPO's clipped surrogate (B, T) of log pi_theta / pi_old and advantages (B, T), the
+    ratio in [1 - clip_low, 1 + clip_high], A < 0's loss capped at -dual_clip A. Like every
+    surrogate here it takes the loss's mask (only GMPO's mean needs it) and also returns
+    the ratio and where it was clipped."""
     ratio = torch.exp(log_ratio)
-    advantages = advantages[:, None]
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.max(pg_losses, pg_losses2)
@@ -274,14 +308,45 @@ def grpo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
     return loss, ratio, (pg_losses2 > pg_losses).float()
 
 
-def cispo_loss(log_ratio, advantages, clip_low, clip_high, dual_clip=None):
+def cispo_loss(log_ratio, advantages, mask, clip_high):
     """CISPO (arXiv 2506.13585, eq. 4): -sg(min(rho, 1 + clip_high)) A log pi per token:
     its weight is capped, not its gradient. log rho stands for log pi: the same gradient
     (pi_old is fixed), and 0 on-policy. Also the ratio, and where its weight was capped."""
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(max=1.0 + clip_high).detach()
-    loss = -advantages[:, None] * weight * log_ratio
+    loss = -advantages * weight * log_ratio
     return loss, ratio, (ratio > 1.0 + clip_high).float()
+
+
+def sapo_loss(log_ratio, advantages, mask, tau_pos, tau_neg):
+    """SAPO (arXiv 2511.20347): -f(rho) A per token, f(rho) = 4/tau
+    sigmoid(tau (rho - 1)), tau = tau_pos where A > 0, else tau_neg: a soft gate for the
+    clip. d f / d log rho = 4 sigmoid (1 - sigmoid) rho: PPO's unclipped gradient at
+    rho = 1, fading smoothly away from it. Also the ratio, and the share of that gradient
+    the gate removes, 1 - 4 sigmoid (1 - sigmoid): 0 on-policy."""
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -advantages * gate * (4.0 / tau)
+    gated = 1.0 - 4.0 * gate * (1.0 - gate)
+    return loss, ratio, gated.detach()
+
+
+def gmpo_loss(log_ratio, advantages, mask, clip_low, clip_high):
+    """GMPO (arXiv 2507.20673): -A s per response, s the geometric mean of its
+    token ratios, each clipped in log space to [-clip_low, clip_high] on the side A's sign
+    makes binding (PPO's min). A sequence objective: every token carries its response's
+    loss, as GSPO's tokens do, so --loss_aggregation sequence gives the paper's mean over
+    responses. A: the mean of the response's token advantages (verl's geo_mean). Also s
+    per token, and where a log-ratio was clipped."""
+    clamped = log_ratio.clamp(-clip_low, clip_high)
+    # A > 0: a ratio above the range is capped; A < 0: one below it
+    clipped = torch.where(advantages > 0, log_ratio.minimum(clamped), log_ratio.maximum(clamped))
+    lengths = mask.sum(1, True).clamp(min=1)
+    ratio = torch.exp((clipped * mask).sum(1, True) / lengths)  # (B, 1)
+    advantage = (advantages * mask).sum(1, True) / lengths  # (B, 1)
+    loss = -advantage * ratio
+    return loss.expand_as(log_ratio), ratio.expand_as(log_ratio), (clipped != log_ratio).float()
 
 
 def loss_weights(mask, aggregation):
@@ -375,11 +440,12 @@ def check_args(args):
     finite += ["clip_eps_high", "dual_clip", "missing_eos_penalty", "overlong_penalty"]
     finite += ["entropy_coef", "entropy_target", "entropy_coef_delta", "rso_temperature"]
     finite += ["sampler_cap"]
+    finite += ["sapo_tau_pos", "sapo_tau_neg"]
     for flag in finite:
         value = getattr(args, flag)
         if value is not None and not math.isfinite(value):
             raise RunError(f"--{flag} {value}: not a finite number; pass one")
-    for flag in ["max_grad_norm", "temperature", "rso_temperature"]:
+    for flag in ["max_grad_norm", "temperature", "rso_temperature", "sapo_tau_pos", "sapo_tau_neg"]:
         value = getattr(args, flag)
         if value <= 0:
             raise RunError(f"--{flag} {value}: must be > 0; pass a positive number")
@@ -399,7 +465,8 @@ def check_args(args):
     for weight in weights:
         if not math.isfinite(weight):
             raise RunError(f"--reward_weights {weight}: not a finite number; pass one")
-    if args.clip_eps_low >= 1:
+    # GMPO clips log-ratios: its floor exp(-clip_eps_low) is positive for any value
+    if args.clip_eps_low >= 1 and args.loss_type != "gmpo":
         eps = args.clip_eps_low
         raise RunError(f"--clip_eps_low {eps}: must be < 1 (1 - it is the ratio's floor)")
     if args.top_k < 0:
@@ -422,6 +489,11 @@ def check_args(args):
         raise RunError(f"--dual_clip {args.dual_clip}: must be > 1; pass e.g. 3")
     if args.dual_clip is not None and args.loss_type != "ppo":
         raise RunError("--dual_clip caps PPO's loss: pass it with --loss_type ppo")
+    if args.advantage == "reinforce_plus_plus" and args.kl_in_reward:
+        raise RunError("--kl_in_reward: REINFORCE++ has the KL in its reward already; drop it")
+    if args.advantage == "reinforce_plus_plus" and args.batch_norm_advantages:
+        why = "REINFORCE++ whitens its advantages over the batch already"
+        raise RunError(f"--batch_norm_advantages: {why}; drop it")
     step = args.num_prompts_per_step * G
     if args.total_episodes < step:
         why = f"less than one step's {step} responses"
@@ -725,7 +797,27 @@ def main(args: Args):
             log_metrics(args.out_dir, 0, metrics, show)
 
     # 4. training loop: generate -> score -> advantages -> update -> log
-    surrogate = cispo_loss if args.loss_type == "cispo" else grpo_loss
+    # the surrogate, with its own parameters: each takes (log-ratio, advantages, mask)
+    if args.loss_type == "ppo":
+        surrogate = functools.partial(
+            grpo_loss,
+            clip_low=args.clip_eps_low,
+            clip_high=args.clip_eps_high,
+            dual_clip=args.dual_clip,
+        )
+    elif args.loss_type == "cispo":
+        surrogate = functools.partial(cispo_loss, clip_high=args.clip_eps_high)
+    elif args.loss_type == "sapo":
+        surrogate = functools.partial(
+            sapo_loss, tau_pos=args.sapo_tau_pos, tau_neg=args.sapo_tau_neg
+        )
+    elif args.loss_type == "gmpo":
+        surrogate = functools.partial(
+            gmpo_loss, clip_low=args.clip_eps_low, clip_high=args.clip_eps_high
+        )
+    # REINFORCE++ and --kl_in_reward put the KL in the reward: none in the loss
+    reinforce_plus_plus = args.advantage == "reinforce_plus_plus"
+    kl_in_loss = not (args.kl_in_reward or reinforce_plus_plus)
     entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
     num_steps = args.total_episodes // batch_size
     t0 = time.time()
@@ -766,13 +858,26 @@ def main(args: Args):
         if args.kl_in_reward and ref_logprobs is not None:
             scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
 
-        # 4c. advantages: within each prompt's group (all on this rank), then the batch's
-        advantages = group_advantages(scores, G, args.advantage, args.scale_rewards)
-        if args.batch_norm_advantages:
-            moments = torch.stack([advantages.sum(), advantages.square().sum()]).double()
-            mean, mean_sq = all_reduce(moments) / batch_size
-            std = (mean_sq - mean**2).sqrt()
-            advantages = ((advantages - mean) / (std + 1e-8)).float()
+        # 4c. advantages (B, T), one per token: REINFORCE++'s returns, whitened over the
+        # batch; or a response's, within its prompt's group (all on this rank), then the
+        # batch's, on each of its tokens
+        if reinforce_plus_plus:
+            advantages = reinforce_plus_plus_advantages(
+                scores,
+                logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs,
+                response_mask=response_mask,
+                mask=mask,
+                beta=args.beta,
+            )
+        else:
+            advantages = group_advantages(scores, G, args.advantage, args.scale_rewards)
+            if args.batch_norm_advantages:
+                moments = torch.stack([advantages.sum(), advantages.square().sum()]).double()
+                mean, mean_sq = all_reduce(moments) / batch_size
+                std = (mean_sq - mean**2).sqrt()
+                advantages = ((advantages - mean) / (std + 1e-8)).float()
+            advantages = advantages[:, None].expand_as(mask)
 
         # 4d. update: num_epochs x num_minibatches optimizer steps, each on a share of
         # every group. The metrics sum over the loss's tokens: every epoch's (the
@@ -822,19 +927,14 @@ def main(args: Args):
 
                 # the loss: the surrogate, weighed for the sampler, plus beta x the KL, minus
                 # the entropy bonus
-                pg_loss, ratio, clipped = surrogate(
-                    importance_log_ratio(log_ratio, mb_mask, args.importance_level),
-                    advantages[idx],
-                    clip_low=args.clip_eps_low,
-                    clip_high=args.clip_eps_high,
-                    dual_clip=args.dual_clip,
-                )
+                is_log_ratio = importance_log_ratio(log_ratio, mb_mask, args.importance_level)
+                pg_loss, ratio, clipped = surrogate(is_log_ratio, advantages[idx], mb_mask)
                 pg_loss = pg_loss * is_weights
                 loss = pg_loss
                 kl = None
-                if ref_logprobs is not None and not args.kl_in_reward:
+                if ref_logprobs is not None and kl_in_loss:
                     mb_ref_logprobs = ref_logprobs[idx]
-                    kl = kl_penalty(new_logprobs, mb_ref_logprobs, old, args.kl_estimator)
+                    kl = kl_penalty(new_logprobs, mb_ref_logprobs, is_log_ratio, args.kl_estimator)
                     loss = loss + args.beta * kl
                 if entropy_bonus:
                     loss = loss - entropy_bonus * entropy
@@ -910,7 +1010,7 @@ def main(args: Args):
                 local_means["objective/rso_rounds"] = rso_rounds / n_sampled
             if ref_logprobs is not None:
                 # KL(pi_old || pi_ref) per token: k3, whatever the loss's estimator
-                k3 = kl_penalty(old_logprobs, ref_logprobs, old_logprobs, "k3")
+                k3 = kl_penalty(old_logprobs, ref_logprobs, None, "k3")
                 kl_sum = (k3 * response_mask).sum()
                 local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
             gap_tokens = all_reduce(gap_sums["tokens"]).clamp(min=1)

@@ -77,7 +77,7 @@ NEW, REF, OLD = [-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5], [-1.2, -2.5, -0.4]
 def test_kl_estimator_values_and_gradients(est):
     new = torch.tensor(NEW, dtype=torch.float64, requires_grad=True)
     ref, old = torch.tensor(REF, dtype=torch.float64), torch.tensor(OLD, dtype=torch.float64)
-    (value := grpo.kl_penalty(new, ref, old, est)).sum().backward()
+    (value := grpo.kl_penalty(new, ref, new - old, est)).sum().backward()
     for n, r, o, v, g in zip(NEW, REF, OLD, value.tolist(), new.grad.tolist()):
         x, w = n - r, math.exp(n - o)  # log(pi/pi_ref), importance weight pi/pi_old
         want = dict(k1=(x, 1), k2=(x * x / 2, x), k3=(math.exp(-x) - 1 + x, 1 - math.exp(-x)))
@@ -91,7 +91,7 @@ def expected_grad(est, theta, logq, theta_old):
     weighted by pi_old."""
     theta = theta.clone().requires_grad_(True)
     logp, logp_old = torch.log_softmax(theta, 0), torch.log_softmax(theta_old, 0)
-    (logp_old.exp() * grpo.kl_penalty(logp, logq, logp_old, est)).sum().backward()
+    (logp_old.exp() * grpo.kl_penalty(logp, logq, logp - logp_old, est)).sum().backward()
     return theta.grad
 
 
@@ -122,12 +122,12 @@ def test_extreme_log_ratios_are_clamped_so_loss_and_gradient_stay_finite():
     for est in choices("kl_estimator"):
         for beta in (0.0, 0.1):
             new.grad = None
-            kl = grpo.kl_penalty(new, ref, old, est)
-            loss = grpo.grpo_loss(new - old, torch.tensor([1.0]), 0.2, 0.2)[0] + beta * kl
+            kl = grpo.kl_penalty(new, ref, new - old, est)
+            loss = grpo.grpo_loss(new - old, torch.tensor([[1.0]]), mask, 0.2, 0.2)[0] + beta * kl
             (loss * grpo.loss_weights(mask, "token")).sum().backward()
             assert torch.isfinite(loss).all() and torch.isfinite(new.grad).all(), est
     clamp = grpo.KL_CLAMP
-    assert grpo.kl_penalty(new, ref, old, "k1").tolist() == [[-clamp, clamp, 0.0]]
+    assert grpo.kl_penalty(new, ref, new - old, "k1").tolist() == [[-clamp, clamp, 0.0]]
 
 
 # ---- advantages
@@ -165,7 +165,7 @@ def surrogate_grad(ratio, advantages, clip_low, clip_high, level="token", mask=N
     new = ratio.log().clone().requires_grad_(True)
     mask = torch.ones_like(ratio) if mask is None else mask
     logratio = grpo.importance_log_ratio(torch.where(mask.bool(), new, 0.0), mask, level)
-    loss, ratio, clipped = grpo.grpo_loss(logratio, advantages, clip_low, clip_high)
+    loss, ratio, clipped = grpo.grpo_loss(logratio, advantages[:, None], mask, clip_low, clip_high)
     (loss * mask).sum().backward()
     return new.grad, ratio.detach(), clipped
 
@@ -190,7 +190,7 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
         (3.0, [3, 2, -1.2], [0, 2, 0]),
     ):
         log_ratio = ratio.log().requires_grad_(True)
-        loss = grpo.grpo_loss(log_ratio, adv, 0.2, 0.2, dual_clip)[0]
+        loss = grpo.grpo_loss(log_ratio, adv[:, None], torch.ones(3, 1), 0.2, 0.2, dual_clip)[0]
         loss.sum().backward()
         assert loss.flatten().tolist() == pytest.approx(want_loss)
         assert log_ratio.grad.flatten().tolist() == pytest.approx(want_grad)  # d(-A rho)/d log rho
@@ -201,7 +201,7 @@ def test_cispo_caps_the_weight_not_the_gradient():
     token, where PPO's clipped surrogate gives ratios 1.5 and 3 no gradient at all."""
     rho = [0.5, 1.0, 1.5, 3.0]
     log_ratio = torch.tensor([rho]).log().requires_grad_(True)
-    loss, ratio, capped = grpo.cispo_loss(log_ratio, torch.tensor([2.0]), 0.2, 0.28)
+    loss, ratio, capped = grpo.cispo_loss(log_ratio, torch.tensor([[2.0]]), torch.ones(1, 4), 0.28)
     loss.sum().backward()
     weights = [0.5, 1.0, 1.28, 1.28]
     assert log_ratio.grad[0].tolist() == pytest.approx([-2 * w for w in weights])
@@ -209,6 +209,134 @@ def test_cispo_caps_the_weight_not_the_gradient():
     assert loss[0].tolist() == pytest.approx(want) and capped.tolist() == [[0, 0, 1, 1]]
     ppo = surrogate_grad(torch.tensor([rho]), torch.tensor([2.0]), 0.2, 0.28)[0]
     assert ppo[0].tolist() == pytest.approx([-1.0, -2.0, 0.0, 0.0])
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_sapo_soft_gate_by_hand():
+    """SAPO: loss -A 4/tau sigmoid(tau (rho - 1)), d loss / d log rho = -A 4 s (1 - s) rho with
+    s = sigmoid(tau (rho - 1)); tau_pos 1 where A = 2 > 0, tau_neg 1.05 where A = -1 and A = 0.
+    At rho = 1 the gradient is PPO's unclipped -A, and nothing is gated."""
+    rho = [0.5, 1.0, 1.5, 3.0]
+    log_ratio = torch.tensor([rho, rho, rho]).log().requires_grad_(True)
+    adv, mask = torch.tensor([[2.0], [-1.0], [0.0]]), torch.ones(3, 4)
+    loss, ratio, gated = grpo.sapo_loss(log_ratio, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    loss.sum().backward()
+    for row, (a, tau) in enumerate([(2.0, 1.0), (-1.0, 1.05), (0.0, 1.05)]):
+        s = [sigmoid(tau * (r - 1)) for r in rho]
+        want_loss = [-a * 4 / tau * x for x in s]
+        want_grad = [-a * 4 * x * (1 - x) * r for x, r in zip(s, rho)]
+        assert loss[row].tolist() == pytest.approx(want_loss)
+        assert log_ratio.grad[row].tolist() == pytest.approx(want_grad)
+        assert gated[row].tolist() == pytest.approx([1 - 4 * x * (1 - x) for x in s])
+    assert log_ratio.grad[0, 1] == -2 and log_ratio.grad[1, 1] == 1  # rho = 1: -A
+    assert gated[:, 1].tolist() == [0, 0, 0] and ratio[0].tolist() == pytest.approx(rho)
+    # rho = 3: a gradient below the unclipped -A rho = -6, where PPO's clip would give none
+    assert 0 < -log_ratio.grad[0, 3] < 0.5 * 2 * 3
+
+
+def test_gmpo_is_the_papers_geometric_mean_on_a_hand_example():
+    """GMPO with clip (e^-0.4, e^0.4), responses of 3 and 2 tokens, A = +1 and -1. Row 0 (A > 0):
+    log-ratios 0.5, -0.6, 0.1: only 0.5 is capped (at 0.4); row 1 (A < 0): 0.3, -0.7: only -0.7
+    is raised (to -0.4). The paper's J = mean_i A_i (prod_t clip(rho_t))^(1/|y_i|); with
+    --loss_aggregation sequence the summed per-token loss is -J, and so is its gradient."""
+    logr = [[0.5, -0.6, 0.1, 0.0], [0.3, -0.7, 0.0, 0.0]]
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    log_ratio = torch.tensor(logr, dtype=torch.float64, requires_grad=True)
+    loss, ratio, clipped = grpo.gmpo_loss(log_ratio, adv, mask, clip_low=0.4, clip_high=0.4)
+    weights = grpo.loss_weights(mask, "sequence")
+    total = (loss * weights).sum()
+    total.backward()
+    # the paper's formula in ratio space, by hand
+    s0 = (math.exp(0.4) * math.exp(-0.6) * math.exp(0.1)) ** (1 / 3)
+    s1 = (math.exp(0.3) * math.exp(-0.4)) ** (1 / 2)
+    assert total.item() == pytest.approx(-(1 * s0 + -1 * s1) / 2)
+    assert ratio[0, :3].tolist() == pytest.approx([s0] * 3) and ratio[1, 0].item() == pytest.approx(
+        s1
+    )
+    assert clipped.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    # d(-J)/d log rho_t = -A_i s_i / |y_i| / 2 where not clipped, 0 where clipped or padded
+    want = [[0, -s0 / 6, -s0 / 6, 0], [s1 / 4, 0, 0, 0]]
+    assert log_ratio.grad.tolist() == [pytest.approx(row) for row in want]
+    # token aggregation weighs response i by |y_i| / tokens instead: 3/5 and 2/5
+    token = (loss * grpo.loss_weights(mask, "token")).sum()
+    assert token.item() == pytest.approx(-(3 * s0 - 2 * s1) / 5)
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "cispo", "sapo", "gmpo"])
+def test_a_responses_advantage_broadcast_to_its_tokens_changes_no_bit(loss_type):
+    """Advantages are (B, T) inside the loss: a (B,) advantage expanded over its tokens gives the
+    same loss and gradient, bit for bit, as the (B, 1) column the losses broadcast before."""
+    g = torch.Generator().manual_seed(0)
+    log_ratio = 0.3 * torch.randn(4, 5, generator=g)
+    adv = torch.randn(4, 1, generator=g)
+    mask = (torch.arange(5) < torch.tensor([[5], [3], [1], [4]])).float()
+    params = dict(
+        ppo=dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0),
+        cispo=dict(clip_high=0.28),
+        sapo=dict(tau_pos=1.0, tau_neg=1.05),
+        gmpo=dict(clip_low=0.4, clip_high=0.4),
+    )[loss_type]
+    fn = dict(ppo=grpo.grpo_loss, cispo=grpo.cispo_loss, sapo=grpo.sapo_loss)
+    fn = fn.get(loss_type, grpo.gmpo_loss)
+    out = []
+    for advantages in (adv, adv.expand(4, 5)):
+        x = log_ratio.clone().requires_grad_(True)
+        loss, ratio, clipped = fn(x, advantages, mask, **params)
+        (loss * mask).sum().backward()
+        out.append([loss, ratio, clipped, x.grad])
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+def reinforce_plus_plus_loop(scores, logprobs, ref_logprobs, lengths, loss_lengths, beta):
+    """REINFORCE++ one token at a time: rewards -beta k1 and the score at the last token, the
+    return-to-go, then (G - mean) / sqrt(var + 1e-8) over the loss's tokens, var unbiased."""
+    returns = []
+    for i, n in enumerate(lengths):
+        rewards = [-beta * (logprobs[i][t] - ref_logprobs[i][t]) for t in range(n)]
+        rewards[n - 1] += scores[i]
+        returns.append([sum(rewards[t:]) for t in range(n)])
+    pool = [g for row, m in zip(returns, loss_lengths) for g in row[:m]]
+    mean = sum(pool) / len(pool)
+    var = sum((g - mean) ** 2 for g in pool) / (len(pool) - 1)
+    return [[(g - mean) / math.sqrt(var + 1e-8) for g in row] for row in returns]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3])
+def test_reinforce_plus_plus_advantages_match_a_loop(beta):
+    """Responses of 4, 2, 1 and 3 tokens in T = 5, the third out of the loss (as a truncated one
+    with --mask_truncated): its tokens leave the whitening's statistics. beta 0: every token of a
+    response has its whitened score."""
+    g = torch.Generator().manual_seed(0)
+    lengths, loss_lengths = [4, 2, 1, 3], [4, 2, 0, 3]
+    response_mask = (torch.arange(5) < torch.tensor(lengths)[:, None]).float()
+    mask = (torch.arange(5) < torch.tensor(loss_lengths)[:, None]).float()
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    logprobs, ref_logprobs = -torch.rand(2, 4, 5, generator=g)
+    advantages = grpo.reinforce_plus_plus_advantages(
+        scores, logprobs, ref_logprobs, response_mask, mask, beta
+    )
+    want = reinforce_plus_plus_loop(
+        scores.tolist(), logprobs.tolist(), ref_logprobs.tolist(), lengths, loss_lengths, beta
+    )
+    for i, m in enumerate(loss_lengths):
+        assert advantages[i, :m].tolist() == pytest.approx(want[i][:m], abs=1e-5)
+        assert (advantages[i, m:] == 0).all()  # out of the loss: 0
+    if beta == 0:  # no KL: a response's tokens share (score - token mean) / token std
+        assert advantages[0, :4].tolist() == pytest.approx([advantages[0, 0].item()] * 4)
+    if beta > 0:  # the KL makes them differ along the response
+        assert advantages[0, 0] != pytest.approx(advantages[0, 3].item())
+    no_reference = grpo.reinforce_plus_plus_advantages(
+        scores, logprobs, None, response_mask, mask, beta
+    )
+    zero_beta = grpo.reinforce_plus_plus_advantages(
+        scores, logprobs, ref_logprobs, response_mask, mask, 0.0
+    )
+    assert torch.equal(no_reference, zero_beta)
 
 
 def test_gspo_clips_one_ratio_per_sequence():
@@ -334,8 +462,9 @@ def test_pad_other_than_eos_gives_the_same_logprobs_losses_and_rewards():
         new, _ = gpt2.logprobs(model, q, r, 1.0)
         old, ref = (new - 0.1 * mask).detach(), (new + 0.2).detach()
         logratio = torch.where(mask.bool(), new - old, 0.0)
-        loss = grpo.grpo_loss(logratio, torch.tensor([1.0, -1.0, 0.5, 2.0]), 0.2, 0.28)[0]
-        loss = loss + 0.1 * grpo.kl_penalty(new, ref, old, "k3")
+        advantages = torch.tensor([[1.0], [-1.0], [0.5], [2.0]])
+        loss = grpo.grpo_loss(logratio, advantages, mask, 0.2, 0.28)[0]
+        loss = loss + 0.1 * grpo.kl_penalty(new, ref, logratio, "k3")
         agg = [(loss * grpo.loss_weights(mask, how)).sum() for how in choices("loss_aggregation")]
         out[pad] = [new * mask, *agg, gpt2.get_reward(rm, q, r, pad, EOS)]
     for a, b in zip(out[EOS], out[257]):
@@ -352,7 +481,12 @@ RSO = (
 
 @pytest.mark.parametrize(
     "variant",
-    ["", "--dynamic_sampling --mask_truncated --clip_eps_high 0.28", RSO + " --kl_in_reward"],
+    [
+        "",
+        "--dynamic_sampling --mask_truncated --clip_eps_high 0.28",
+        RSO + " --kl_in_reward",
+        "--loss_type sapo --advantage reinforce_plus_plus",
+    ],
 )
 def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(tmp_path, sft_model, variant):
     common = ["--model", sft_model, "--total_episodes", "64", "--eval_every", "2", "--beta", "0.05"]
@@ -372,6 +506,8 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(tmp_path, sf
     # the reference is the starting checkpoint: KL 0 at step 1 (to the sampler's rounding)
     assert a[1]["objective/kl"] < 1e-10 and a[2]["objective/kl"] > 1e-6
     assert (tmp_path / "r2" / "model.safetensors").exists()
+    if "reinforce_plus_plus" in variant:  # the KL is in the reward: none in the loss
+        assert all("loss/kl_avg" not in m for m in a[1:])
     if "rejection_sampling" in variant:  # 1 round at least, G = 4 at most; no KL in the loss
         assert all(1 <= m["objective/rso_rounds"] <= 4 and "loss/kl_avg" not in m for m in a[1:])
     if "dynamic" in variant:  # every trained group has reward variance; the others were dropped
@@ -486,6 +622,26 @@ def test_tiny_runs_with_every_option(tmp_path, sft_model):
     assert all(1 <= r["objective/rso_rounds"] <= 4 for r in m[1:])
 
 
+def test_tiny_runs_with_sapo_gmpo_and_reinforce_plus_plus(tmp_path, sft_model):
+    """2 minibatches x 2 epochs, so later passes are off-policy: GMPO as its paper runs it (log
+    clip 0.4, mean over responses) with a KL in the loss; SAPO with REINFORCE++ at beta 0 (no
+    reference: each token's advantage is its response's whitened score)."""
+    common = ["--model", sft_model, "--total_episodes", "64", "--eval_every", "2", *SMALL]
+    common += ["--num_minibatches", "2", "--num_epochs", "2"]
+    gmpo = "--loss_type gmpo --clip_eps_low 0.4 --clip_eps_high 0.4 --loss_aggregation sequence "
+    gmpo += "--beta 0.05"
+    sapo = "--loss_type sapo --sapo_tau_neg 2 --advantage reinforce_plus_plus"
+    for name, flags in (("gmpo", gmpo), ("sapo", sapo)):
+        run(["--out_dir", str(tmp_path / name), *common, *flags.split()])
+        m = metrics(tmp_path / name)
+        assert [r["step"] for r in m] == [0, 1, 2], name
+        assert all(math.isfinite(v) for r in m for v in r.values()), name
+        # off-policy passes: the ratio moved, and the clip (GMPO) or the gate (SAPO) acted
+        assert all(r["policy/approxkl_avg"] > 0 and r["policy/clipfrac_avg"] > 0 for r in m[1:])
+    assert "loss/kl_avg" in metrics(tmp_path / "gmpo")[1]
+    assert not any("objective/kl" in r or "loss/kl_avg" in r for r in metrics(tmp_path / "sapo"))
+
+
 def test_resume_matches_uninterrupted(tmp_path, sft_model):
     common = ["--model", sft_model, "--total_episodes", "128", "--eval_every", "2"]
     common += ["--keep_checkpoints", "5", "--beta", "0.05", *SMALL]
@@ -596,6 +752,13 @@ BAD = {  # flags: the error
     "--top_p 0": "--top_p 0.0: must be in (0, 1]",
     "--top_p 1.5": "--top_p 1.5: must be in (0, 1]",
     "--top_p nan": "--top_p nan: must be in (0, 1]",
+    "--loss_type sapo --sapo_tau_pos 0": "--sapo_tau_pos 0.0: must be > 0",
+    "--loss_type sapo --sapo_tau_neg -1": "--sapo_tau_neg -1.0: must be > 0",
+    "--sapo_tau_neg inf": "--sapo_tau_neg inf: not a finite number",
+    "--loss_type sapo --dual_clip 3": "with --loss_type ppo",
+    "--loss_type gmpo --dual_clip 3": "with --loss_type ppo",
+    "--advantage reinforce_plus_plus --kl_in_reward": "--kl_in_reward: REINFORCE++ has the KL",
+    "--advantage reinforce_plus_plus --batch_norm_advantages": "--batch_norm_advantages: REINFORCE++",
 }
 
 
