@@ -65,6 +65,8 @@ class Args:
     verifier: bool = True  # score with the task's verifier (1 correct, 0 wrong)
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()  # FILE.py:NAME, a reward function
     reward_weights: tuple[float, ...] = ()  # a weight per --reward_fn; none: 1 each
+    teacher_model: str = ""  # on-policy distillation: its log-probs score every sampled token
+    teacher_coef: float = 1.0  # weight of the teacher's per-token advantage log π_t - log π
     out_dir: str = ""  # run directory; default a fresh runs/grpo/<time>-s<seed>
     overwrite: bool = False  # delete the run already in --out_dir and start afresh
     resume: bool = False  # continue the run in --out_dir from its last checkpoint
@@ -223,6 +225,14 @@ def reinforce_plus_plus_advantages(scores, logprobs, ref_logprobs, response_mask
     # sum_{s >= t} r_s: a cumulative sum from the end
     returns = rewards.flip(1).cumsum(1).flip(1)
     return batch_whiten(returns, mask) * mask
+
+
+def distillation_advantages(logprobs, teacher_logprobs, response_mask, coef):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): each
+    sampled token's advantage (B, T) is coef x (log pi_teacher - log pi_old), the negative
+    of the per-token reverse KL estimate. No return-to-go: each token is judged alone (the
+    blog's discount 0), and no baseline."""
+    return coef * (teacher_logprobs - logprobs) * response_mask
 
 
 def overlong_penalty(lengths, max_length, buffer, penalty):
@@ -439,7 +449,7 @@ def check_args(args):
     finite = ["lr", "max_grad_norm", "temperature", "beta", "clip_eps_low"]
     finite += ["clip_eps_high", "dual_clip", "missing_eos_penalty", "overlong_penalty"]
     finite += ["entropy_coef", "entropy_target", "entropy_coef_delta", "rso_temperature"]
-    finite += ["sampler_cap"]
+    finite += ["sampler_cap", "teacher_coef"]
     finite += ["sapo_tau_pos", "sapo_tau_neg"]
     for flag in finite:
         value = getattr(args, flag)
@@ -450,6 +460,7 @@ def check_args(args):
         if value <= 0:
             raise RunError(f"--{flag} {value}: must be > 0; pass a positive number")
     at_least_0 = ["lr", "beta", "clip_eps_low", "clip_eps_high", "overlong_penalty"]
+    at_least_0 += ["teacher_coef"]
     at_least_0 += ["entropy_coef", "entropy_coef_delta"]
     for flag in at_least_0:
         value = getattr(args, flag)
@@ -574,15 +585,20 @@ def main(args: Args):
     pad = meta["pad_token_id"]
     eos = meta["eos_token_id"]
     n_train = len(train["query"])
-    use_verifier = args.verifier and meta.get("task") in ("arithmetic", "gsm8k")
-    if not (use_verifier or args.reward_model or args.reward_fn):
+    # the task's verifier: a reward unless --no_verifier, and the eval's accuracy
+    has_verifier = meta.get("task") in ("arithmetic", "gsm8k")
+    use_verifier = args.verifier and has_verifier
+    if not (use_verifier or args.reward_model or args.reward_fn or args.teacher_model):
         why = "no reward: no verifier (for this task, or --no_verifier)"
-        raise RunError(f"{why}: pass --reward_model or --reward_fn")
+        raise RunError(f"{why}: pass --reward_model, --reward_fn or --teacher_model")
+    if args.dynamic_sampling and not (use_verifier or args.reward_model or args.reward_fn):
+        why = "drops groups of equal rewards, and with no reward every group is one"
+        raise RunError(f"--dynamic_sampling {why}: add a reward or drop the flag")
     reward_fns = data.rewards.load_reward_fns(args.reward_fn)
     # the functions' scores add up weighted, in float64 on the CPU (TRL's reward_weights)
     weights = args.reward_weights or [1.0] * len(reward_fns)
     reward_weights = torch.tensor(weights, dtype=torch.float64)
-    if args.eval_samples and not use_verifier:
+    if args.eval_samples and not has_verifier:
         raise RunError("--eval_samples scores with the task's verifier: this run has none")
     if n_train < num_prompts:
         raise RunError(f"prompt_train has {n_train} prompts: lower --num_prompts_per_step")
@@ -595,14 +611,17 @@ def main(args: Args):
     data.check_context(train, policy.config.block_size, args.response_length)
     ref_policy = None
     reward_model = None
+    teacher = None
     if args.beta > 0 or args.ref_model:
         # `--model tiny`: the policy's random init again
         torch.manual_seed(args.seed)
         ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=shard_frozen)
     if args.reward_model:
         reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=shard_frozen)
+    if args.teacher_model:
+        teacher = gpt2.load(args.teacher_model, meta, shard=shard_frozen)
     policy.activation_checkpointing = args.activation_checkpointing
-    for model in (policy, ref_policy, reward_model):
+    for model in (policy, ref_policy, reward_model, teacher):
         if model is not None:
             model.packing = args.packing
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -656,6 +675,10 @@ def main(args: Args):
         # policy's nucleus may lie outside the reference's, where a filtered log-prob would be
         # -inf; on the full one KL(pi_theta's nucleus || pi_ref) is finite (TRL, verl alike).
         return gpt2.logprobs(ref_policy, query, response, args.temperature)[0]
+
+    def teacher_logprobs_of(query, response):
+        # the teacher's full tempered distribution, as the reference's
+        return gpt2.logprobs(teacher, query, response, args.temperature)[0]
 
     def old_logprobs_of(query, response):
         return forward(query, response)[0]
@@ -754,7 +777,7 @@ def main(args: Args):
     def evaluate():
         """Greedy and sampled accuracy on prompt_test, and on the preference pairs."""
         metrics = {}
-        if use_verifier and args.eval_size:
+        if has_verifier and args.eval_size:
             metrics["eval/accuracy"] = data.greedy_accuracy(
                 policy,
                 test,
@@ -764,7 +787,7 @@ def main(args: Args):
                 response_length=args.response_length,
                 ctx=ctx,
             )
-        if use_verifier and args.eval_size and args.eval_samples:
+        if has_verifier and args.eval_size and args.eval_samples:
             metrics |= data.sampled_accuracy(
                 policy,
                 test,
@@ -787,6 +810,7 @@ def main(args: Args):
     show = (
         "objective/scores",
         "objective/kl",
+        "objective/teacher_kl",
         "eval/accuracy",
         "perf/episodes_per_sec",
     )
@@ -857,6 +881,9 @@ def main(args: Args):
             old_logprobs = in_micro_batches(old_logprobs_of, query, response)
         if args.kl_in_reward and ref_logprobs is not None:
             scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
+        teacher_logprobs = None
+        if teacher is not None:
+            teacher_logprobs = in_micro_batches(teacher_logprobs_of, query, response)
 
         # 4c. advantages (B, T), one per token: REINFORCE++'s returns, whitened over the
         # batch; or a response's, within its prompt's group (all on this rank), then the
@@ -878,6 +905,14 @@ def main(args: Args):
                 std = (mean_sq - mean**2).sqrt()
                 advantages = ((advantages - mean) / (std + 1e-8)).float()
             advantages = advantages[:, None].expand_as(mask)
+        if teacher is not None:
+            # on-policy distillation: the teacher's per-token judgement, added to the reward's
+            advantages = advantages + distillation_advantages(
+                logprobs=old_logprobs,
+                teacher_logprobs=teacher_logprobs,
+                response_mask=response_mask,
+                coef=args.teacher_coef,
+            )
 
         # 4d. update: num_epochs x num_minibatches optimizer steps, each on a share of
         # every group. The metrics sum over the loss's tokens: every epoch's (the
@@ -958,7 +993,7 @@ def main(args: Args):
                         entropy_sum = entropy_sum + (entropy.double() * mb_mask).sum()
                     if epoch == 0 and (minibatch == 0 or recompute):
                         # KL(pi_sampler || pi_old) per token, k3 of pi_old / pi_sampler
-                        k3 = kl_penalty(mb_sampler_logprobs, old, old, "k3")
+                        k3 = kl_penalty(mb_sampler_logprobs, old, None, "k3")
                         cap = args.sampler_cap
                         outside = (is_ratio < 1.0 / cap) | (is_ratio > cap)
                         gap = {"k3": k3, "outside": outside, "tokens": torch.ones_like(k3)}
@@ -1013,6 +1048,10 @@ def main(args: Args):
                 k3 = kl_penalty(old_logprobs, ref_logprobs, None, "k3")
                 kl_sum = (k3 * response_mask).sum()
                 local_means["objective/kl"] = kl_sum / all_reduce(response_mask.sum())
+            if teacher_logprobs is not None:
+                # the student's reverse KL to the teacher per token (k1), what distillation lowers
+                reverse_kl = ((old_logprobs - teacher_logprobs) * response_mask).sum()
+                local_means["objective/teacher_kl"] = reverse_kl / all_reduce(response_mask.sum())
             gap_tokens = all_reduce(gap_sums["tokens"]).clamp(min=1)
             local_means["mismatch/k3_kl"] = gap_sums["k3"] / gap_tokens
             local_means["mismatch/outside_frac"] = gap_sums["outside"] / gap_tokens
