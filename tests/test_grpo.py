@@ -747,7 +747,6 @@ BAD = {  # flags: the error
     "--rejection_sampling_candidates 2": "--rejection_sampling_candidates 2: fewer than",
     "--rso_temperature 0": "--rso_temperature 0.0: must be > 0",
     "--overlong_buffer 5": "--overlong_buffer 5: more than --response_length 4",
-    "--no_verifier --reward_model /x --eval_samples 2": "--eval_samples scores with the task's verifier",
     "--top_k -1": "--top_k -1: must be >= 0",
     "--top_p 0": "--top_p 0.0: must be in (0, 1]",
     "--top_p 1.5": "--top_p 1.5: must be in (0, 1]",
