@@ -16,6 +16,7 @@ tempered distribution); a minibatch takes an equal share of each group, at any r
     python grpo.py --loss_type cispo --clip_eps_high 4  # CISPO, weights capped at 5 (ScaleRL's)
     python grpo.py --reward_model runs/reward/latest --no_verifier --data DIR  # a learned reward
     python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
+    python grpo.py --beta 0.04 --ref_sync_every 10 --ref_sync_mix 0.6  # refresh pi_ref (TR-DPO)
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
 
@@ -39,7 +40,8 @@ import torch
 import torch.distributed as dist
 import tyro
 from safetensors import safe_open
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import data
 import gpt2
@@ -69,6 +71,8 @@ class Args:
     beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
     kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # per-token KL estimate
     kl_in_reward: bool = False  # beta's KL (k1) in the reward, not the loss (RLOO, verl)
+    ref_sync_every: int = 0  # τ: refresh π_ref every this many steps (TR-DPO; 0: never)
+    ref_sync_mix: float = 0.6  # α: π_ref ← α π + (1 - α) π_ref at a refresh (1: a copy)
     loss_type: Literal["ppo", "cispo"] = "ppo"  # clipped surrogate, or CISPO (MiniMax-M1)
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - this (PPO: 0.2)
     clip_eps_high: float = 0.2  # and above at 1 + this (DAPO: 0.28; CISPO's cap)
@@ -314,6 +318,29 @@ def dynamic_sampling(rollout, num_prompts, group_size, max_rounds, rank, world_s
     return batch, sampled
 
 
+@torch.no_grad()
+def sync_reference(ref, policy, mix):
+    """TR-DPO's refresh of π_ref, in place (Gorbatovski et al. 2024): π_ref ← mix π_θ +
+    (1 - mix) π_ref, parameter by parameter; mix 1 is the hard update, a copy. Under FSDP2
+    both models are sharded alike: each rank mixes its own shards, with no gather."""
+    # A no-grad forward leaves an FSDP2 root gathered: its parameters are full tensors
+    # until it is sharded again.
+    for module in [*ref.modules(), *policy.modules()]:
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    for ref_param, param in zip(ref.parameters(), policy.parameters(), strict=True):
+        # A DTensor's local shard is a view: writing it writes the parameter.
+        if isinstance(ref_param, DTensor):
+            ref_param = ref_param.to_local()
+            param = param.to_local()
+        if mix == 1:
+            # The hard update, cast to π_ref's dtype (a frozen model's blocks are bf16 on CUDA).
+            ref_param.copy_(param)
+        else:
+            # The soft update in fp32, rounded once to π_ref's dtype.
+            ref_param.copy_(torch.lerp(ref_param.float(), param.float(), mix))
+
+
 def check_args(args):
     """Every flag's problem, before any heavy work: one line naming the flag and the fix."""
     # whole numbers: sizes and intervals from 1, and from 0 where 0 means none or off
@@ -326,6 +353,7 @@ def check_args(args):
             raise RunError(f"--{flag} {value}: must be at least 1; pass a whole number")
     at_least_0 = ["seed", "overlong_buffer", "max_sampling_rounds", "keep_checkpoints"]
     at_least_0 += ["rejection_sampling_candidates", "eval_size", "eval_samples"]
+    at_least_0 += ["ref_sync_every"]
     for flag in at_least_0:
         value = getattr(args, flag)
         if value < 0:
@@ -367,6 +395,11 @@ def check_args(args):
         raise RunError(f"--dual_clip {args.dual_clip}: must be > 1; pass e.g. 3")
     if args.dual_clip is not None and args.loss_type != "ppo":
         raise RunError("--dual_clip caps PPO's loss: pass it with --loss_type ppo")
+    mix = args.ref_sync_mix
+    if not 0 < mix <= 1:
+        raise RunError(f"--ref_sync_mix {mix}: α is in (0, 1]; 1 copies pi into pi_ref")
+    if args.ref_sync_every and not (args.beta > 0 or args.ref_model):
+        raise RunError("--ref_sync_every refreshes pi_ref: pass --beta > 0 (or --ref_model)")
     step = args.num_prompts_per_step * G
     if args.total_episodes < step:
         why = f"less than one step's {step} responses"
@@ -460,6 +493,10 @@ def main(args: Args):
         # `--model tiny`: the policy's random init again
         torch.manual_seed(args.seed)
         ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=shard_frozen)
+    if args.ref_sync_every and args.ref_model:
+        ref_shapes = [p.shape for p in ref_policy.parameters()]
+        if ref_shapes != [p.shape for p in policy.parameters()]:
+            raise RunError("--ref_sync_every mixes pi into pi_ref: pass a --ref_model of its size")
     if args.reward_model:
         reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=shard_frozen)
     policy.activation_checkpointing = args.activation_checkpointing
@@ -476,6 +513,9 @@ def main(args: Args):
     n_pairs = len(pref["query"]) if pref else 0
     ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
     models = {"policy": (policy, optimizer)}
+    if args.ref_sync_every:
+        # a refreshed pi_ref is part of the run's state: the checkpoint holds it (no optimizer)
+        models["reference"] = (ref_policy, None)
     state = {"step": 0}
     if args.resume:
         state = load_checkpoint(args.out_dir, models)
@@ -816,6 +856,9 @@ def main(args: Args):
                 target=args.entropy_target,
                 delta=args.entropy_coef_delta,
             )
+        # TR-DPO's refresh of pi_ref after this step's update (open-instruct's unit)
+        if args.ref_sync_every and done % args.ref_sync_every == 0:
+            sync_reference(ref_policy, policy, args.ref_sync_mix)
         # a checkpoint when due, or on SIGTERM
         extra = dict(entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
         checkpoint(args, done, models, device, due=eval_now, extra=extra)
