@@ -409,7 +409,7 @@ def test_hard_refresh_every_step_keeps_the_kl_at_zero(tmp_path, sft_model):
     run(["--out_dir", str(tmp_path), *common, "--ref_sync_every", "1", "--ref_sync_mix", "1"])
     m = metrics(tmp_path)
     assert [r["step"] for r in m] == [0, 1, 2, 3]
-    assert all(r["objective/kl"] < 1e-10 for r in m[1:]), [r["objective/kl"] for r in m]
+    assert all(r["objective/kl"] < 1e-10 for r in m[1:]), [r["objective/kl"] for r in m[1:]]
     assert m[-1]["objective/scores"] != m[1]["objective/scores"]  # yet the policy moved
 
 
