@@ -238,13 +238,9 @@ def check_args(args):
     if args.seed < 0:
         raise RunError(f"--seed {args.seed}: numpy takes no negative seed; pass 0 or more")
     # counts that may be 0
-    for flag in (
-        "warmup_steps",
-        "max_train_pairs",
-        "eval_size",
-        "keep_checkpoints",
-        "ref_sync_every",
-    ):
+    counts = ["warmup_steps", "max_train_pairs", "eval_size", "keep_checkpoints"]
+    counts += ["ref_sync_every"]
+    for flag in counts:
         value = getattr(args, flag)
         default = getattr(Args, flag)
         if value < 0:
