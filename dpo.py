@@ -11,16 +11,20 @@ and log π(y) sums a response's token log-probs, up to and including its stop to
     ipo       IPO eq. 17 on length-averaged log-probs (ipo_sum: on summed ones)
     dpo_norm  DPO on length-averaged log-probs (Tulu 3)
     simpo     SimPO eq. 6: no reference
---rpo_alpha adds RPO's NLL of the chosen response.
+--rpo_alpha adds RPO's NLL of the chosen response; --wpo weights each pair's loss by
+the policy's probability of the pair (WPO, without its weight alignment).
 
 π_ref's log-probs are computed once before step 0 (again on --resume) by the
 starting policy or --ref_model, sharded as the policy is: no reference model stays
-in memory, and the first loss is ln 2. Eval, from step 0: the loss and reward
-accuracy on pref_test, greedy accuracy on prompt_test.
+in memory, and the first loss is ln 2. With --ref_sync_every τ (TR-DPO) π_ref stays,
+scores each batch, and every τ steps moves toward π: π_ref ← α π + (1 - α) π_ref.
+Eval, from step 0: the loss and reward accuracy on pref_test, greedy accuracy on
+prompt_test.
 
     python dpo.py                                  # from runs/sft/latest (python sft.py)
     python dpo.py --loss_type ipo --rpo_alpha 1.0  # IPO plus RPO's NLL
     torchrun --nproc_per_node=2 dpo.py             # FSDP2 over 2 ranks: the same run
+    python dpo.py --wpo --ref_sync_every 64 --ref_sync_mix 0.6  # WPO; TR-DPO's soft update
     python dpo.py --resume --out_dir runs/dpo/RUN  # continue from the last checkpoint
 
 A run writes runs/dpo/<time>-s<seed>/; runs/dpo/latest links the last finished one.
@@ -46,7 +50,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from safetensors import safe_open
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import data
 import gpt2
@@ -81,6 +86,9 @@ class Args:
     reference_free: bool = False  # log π_ref = 0: no reference pass
     rpo_alpha: float = 0.0  # weight of the chosen response's NLL in the loss (RPO)
     rpo_normalization: RpoNormalization = "sequence"  # NLL per sequence (paper) or token (TRL)
+    wpo: bool = False  # weight each pair's loss by its probability under π (WPO)
+    ref_sync_every: int = 0  # τ: refresh π_ref every this many steps (TR-DPO; 0: never)
+    ref_sync_mix: float = 0.6  # α: π_ref ← α π + (1 - α) π_ref at a refresh (1: a copy)
     response_length: int = 16  # max new tokens when generating for eval accuracy
     eval_every: int = 100  # steps between evals and checkpoints
     eval_size: int = 500  # held-out pairs and prompts for eval (0: no eval)
@@ -138,6 +146,38 @@ def rpo_nll(logps_chosen, len_chosen, normalization, tokens_per_pair):
     return -logps_chosen / tokens_per_pair
 
 
+def wpo_weights(logps, lengths):
+    """WPO's weight of each pair (B,) (Zhou et al. 2024, eq. 2, without its weight
+    alignment): the policy's per-token probability of the chosen response times the
+    rejected one's, exp(log π(y_w)/|y_w| + log π(y_l)/|y_l|), from the summed log-probs
+    (B, 2) and lengths (B, 2). Detached: a weight, not a term to optimise."""
+    per_token = logps.detach() / lengths  # (B, 2)
+    return per_token.sum(1).exp()
+
+
+@torch.no_grad()
+def sync_reference(ref, policy, mix):
+    """TR-DPO's refresh of π_ref, in place (Gorbatovski et al. 2024): π_ref ← mix π_θ +
+    (1 - mix) π_ref, parameter by parameter; mix 1 is the hard update, a copy. Under FSDP2
+    both models are sharded alike: each rank mixes its own shards, with no gather."""
+    # A no-grad forward leaves an FSDP2 root gathered: its parameters are full tensors
+    # until it is sharded again.
+    for module in [*ref.modules(), *policy.modules()]:
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    for ref_param, param in zip(ref.parameters(), policy.parameters(), strict=True):
+        # A DTensor's local shard is a view: writing it writes the parameter.
+        if isinstance(ref_param, DTensor):
+            ref_param = ref_param.to_local()
+            param = param.to_local()
+        if mix == 1:
+            # The hard update, cast to π_ref's dtype (a frozen model's blocks are bf16 on CUDA).
+            ref_param.copy_(param)
+        else:
+            # The soft update in fp32, rounded once to π_ref's dtype.
+            ref_param.copy_(torch.lerp(ref_param.float(), param.float(), mix))
+
+
 def lr_at(step, args):
     """Linear warmup, then cosine to lr * min_lr_ratio."""
     if step < args.warmup_steps:
@@ -178,6 +218,12 @@ def check_args(args):
     if eps and args.loss_type not in ("sigmoid", "dpo_norm", "simpo"):
         fix = "use sigmoid, dpo_norm or simpo"
         raise RunError(f"--label_smoothing: no smoothing in {args.loss_type}; {fix}")
+    mix = args.ref_sync_mix
+    if not 0 < mix <= 1:
+        raise RunError(f"--ref_sync_mix {mix}: α is in (0, 1]; 1 copies π into π_ref")
+    no_ref = args.reference_free or args.loss_type == "simpo"
+    if args.ref_sync_every and no_ref:
+        raise RunError("--ref_sync_every: simpo and --reference_free have no π_ref to refresh")
 
     # sizes and intervals: at least 1
     for flag in ("total_steps", "batch_size", "micro_batch_size", "response_length"):
@@ -192,7 +238,9 @@ def check_args(args):
     if args.seed < 0:
         raise RunError(f"--seed {args.seed}: numpy takes no negative seed; pass 0 or more")
     # counts that may be 0
-    for flag in ("warmup_steps", "max_train_pairs", "eval_size", "keep_checkpoints"):
+    counts = ["warmup_steps", "max_train_pairs", "eval_size", "keep_checkpoints"]
+    counts += ["ref_sync_every"]
+    for flag in counts:
         value = getattr(args, flag)
         default = getattr(Args, flag)
         if value < 0:
@@ -277,11 +325,20 @@ def main(args: Args):
     model = gpt2.load(args.model, meta, shard=policy_shard)
     data.check_context(train, model.config.block_size)
     use_ref = not (args.reference_free or args.loss_type == "simpo")
+    # TR-DPO: π_ref changes during the run, so it stays in memory
+    refresh = args.ref_sync_every > 0
     # π_ref is the starting policy, or --ref_model: frozen, sharded as π is
     ref = model
+    ref_shard = functools.partial(shard, device=device, bf16=bf16, frozen=True)
     if args.ref_model and use_ref:
-        ref_shard = functools.partial(shard, device=device, bf16=bf16, frozen=True)
         ref = gpt2.load(args.ref_model, meta, shard=ref_shard)
+    elif refresh:
+        # a copy of the starting policy (`--model tiny`: its random init again)
+        torch.manual_seed(args.seed)
+        ref = gpt2.load(args.model, meta, shard=ref_shard)
+    ref_shapes = [p.shape for p in ref.parameters()]
+    if refresh and ref_shapes != [p.shape for p in model.parameters()]:
+        raise RunError("--ref_sync_every mixes π into π_ref: pass a --ref_model of --model's size")
     args.out_dir = start_run(args, "dpo")
     model.activation_checkpointing = args.activation_checkpointing
     model.packing = args.packing
@@ -302,18 +359,21 @@ def main(args: Args):
     if args.compile:
         forward_model = torch.compile(model)
     models = {"policy": (model, optimizer)}
+    if refresh:
+        # a refreshed π_ref is part of the run's state: the checkpoint holds it (no optimizer)
+        models["reference"] = (ref, None)
 
     # 4. π_ref's log-probs of every pair, once, before a resume loads the
-    # trained weights. Reference-free: log π_ref = 0
+    # trained weights. Reference-free: log π_ref = 0. Refreshed: per batch, in the loop
     ref_train = torch.zeros(n_train, 2, device=device)
     ref_test = torch.zeros(n_test, 2, device=device)
-    if use_ref:
+    if use_ref and not refresh:
         if MASTER:
             print(f"reference log-probs of {n_train} train and {n_test} eval pairs", flush=True)
         ref_train = data.split_logprobs(ref, train, n_train, micro_batch_size, ctx)
         ref_test = data.split_logprobs(ref, test, n_test, micro_batch_size, ctx)
-    # frees a --ref_model
-    del ref
+        # frees a --ref_model
+        ref = None
     start = 0
     if args.resume:
         start = load_checkpoint(args.out_dir, models)["step"]
@@ -321,12 +381,16 @@ def main(args: Args):
     def evaluate():
         """Pair loss (no RPO term) and accuracies on pref_test; greedy accuracy on
         prompt_test."""
+        ref_logps = ref_test
+        if refresh:
+            # against π_ref as it is now, as the training loss is
+            ref_logps = data.split_logprobs(ref, test, n_test, micro_batch_size, ctx)
         logps = data.split_logprobs(model, test, n_test, micro_batch_size, ctx)
-        loss, rewards = pair_loss(logps, ref_test, test_lengths, args)
+        loss, rewards = pair_loss(logps, ref_logps, test_lengths, args)
         out = {
             "eval/loss": loss.mean().item(),
             # on summed log-probs whatever the loss; a tie counts half
-            "eval/preference_accuracy": data.preference_accuracy(logps, ref_test),
+            "eval/preference_accuracy": data.preference_accuracy(logps, ref_logps),
             "eval/rewards_margins": (rewards[:, 0] - rewards[:, 1]).mean().item(),
             "eval/logps_accuracy": (logps[:, 0] > logps[:, 1]).float().mean().item(),
         }
@@ -370,11 +434,19 @@ def main(args: Args):
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
             query, chosen, rejected = data.split_tensors(train, idx, device)
             lengths = train_lengths[idx]
+            ref_logps = ref_train[idx]
+            if refresh:
+                with torch.no_grad(), ctx:
+                    ref_logps = data.response_logprobs(ref, query, chosen, rejected)
             with ctx:
                 logps = data.response_logprobs(forward_model, query, chosen, rejected)
-            loss, rewards = pair_loss(logps, ref_train[idx], lengths, args)
+            loss, rewards = pair_loss(logps, ref_logps, lengths, args)
+            # WPO: a pair the policy finds unlikely (off-policy) counts less
+            weights = torch.ones_like(loss)
+            if args.wpo:
+                weights = wpo_weights(logps, lengths)
             nll = rpo_nll(logps[:, 0], lengths[:, 0], args.rpo_normalization, mean_chosen)
-            loss_sum = (loss + args.rpo_alpha * nll).sum()
+            loss_sum = (weights * loss + args.rpo_alpha * nll).sum()
             # FSDP2 averages gradients over ranks: times world_size makes
             # the mean over the global batch
             (loss_sum * world_size / args.batch_size).backward()
@@ -388,6 +460,7 @@ def main(args: Args):
                 micro_sums = {
                     "train/loss": loss_sum,
                     "train/nll": nll.sum(),
+                    "train/wpo_weight": weights.sum(),
                     "rewards/chosen": reward_sums[0],
                     "rewards/rejected": reward_sums[1],
                     "rewards/accuracies": correct.sum(),
@@ -414,6 +487,9 @@ def main(args: Args):
             raise RunError(f"non-finite loss or grad norm at step {done}: {fix}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        # TR-DPO: every τ optimizer steps π_ref moves toward π (TRL's SyncRefModelCallback)
+        if refresh and done % args.ref_sync_every == 0:
+            sync_reference(ref, model, args.ref_sync_mix)
 
         # 5d. log, evaluate, checkpoint
         eval_now = done % args.eval_every == 0 or done == args.total_steps
@@ -436,6 +512,8 @@ def main(args: Args):
             # RPO's NLL, only when it is part of the loss
             if args.rpo_alpha:
                 metrics["train/nll"] = means["train/nll"]
+            if args.wpo:
+                metrics["train/wpo_weight"] = means["train/wpo_weight"]
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
             log_metrics(args.out_dir, done, metrics, show)
@@ -549,7 +627,7 @@ def checkpoint(args, step, models, device, due, extra=None):
         return
     root = f"{args.out_dir}/checkpoints"
     final = f"{root}/step_{step:08d}"
-    # Each model in the HF layout, with its optimizer.pt.
+    # Each model in the HF layout, with its optimizer.pt if it has an optimizer.
     for name, (model, optimizer) in models.items():
         gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
     if MASTER:
@@ -573,9 +651,11 @@ def newest_complete_checkpoint(out_dir, models):
         # Headers and zip directories only: a truncated file fails there, in one of many
         # ways.
         try:
-            for name in models:
+            for name, (model, optimizer) in models.items():
                 safe_open(f"{path}/{name}/model.safetensors", "pt")
-                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
+                # A frozen model in the run's state (a refreshed reference) has no optimizer.
+                if optimizer:
+                    torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             return path
         except Exception as e:

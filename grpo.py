@@ -21,6 +21,7 @@ minibatch takes an equal share of each group, at any rank count.
     python grpo.py --sampler_correction sequence_mask --sampler_cap 3  # TRL's correction
     python grpo.py --reward_fn experiments/reward_fns.py:closeness --reward_weights 0.5  # plug-in
     python grpo.py --rejection_sampling_candidates 64 --rso_temperature 2  # RSO: 8 kept of 64
+    python grpo.py --beta 0.04 --ref_sync_every 10 --ref_sync_mix 0.6  # refresh pi_ref (TR-DPO)
     python grpo.py --resume --out_dir runs/grpo/<run>  # continue a run from its last checkpoint
 """
 
@@ -44,7 +45,8 @@ import torch
 import torch.distributed as dist
 import tyro
 from safetensors import safe_open
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import data
 import data.rewards
@@ -86,6 +88,8 @@ class Args:
     beta: float = 0.0  # KL coefficient (DeepSeekMath: 0.04; 0: no reference)
     kl_estimator: Literal["k1", "k2", "k3", "k4", "k3_ratio"] = "k3"  # k4, k3_ratio: x the ratio
     kl_in_reward: bool = False  # beta's KL (k1) in the reward, not the loss (RLOO, verl)
+    ref_sync_every: int = 0  # τ: refresh π_ref every this many steps (TR-DPO; 0: never)
+    ref_sync_mix: float = 0.6  # α: π_ref ← α π + (1 - α) π_ref at a refresh (1: a copy)
     loss_type: Literal["ppo", "cispo", "sapo", "gmpo"] = "ppo"  # the surrogate (variants_grpo.md)
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - this (GMPO: log ratio at -this)
     clip_eps_high: float = 0.2  # and above at 1 + this (DAPO: 0.28; CISPO's cap; GMPO: log)
@@ -429,6 +433,29 @@ def dynamic_sampling(rollout, num_prompts, group_size, max_rounds, rank, world_s
     return batch, sampled
 
 
+@torch.no_grad()
+def sync_reference(ref, policy, mix):
+    """TR-DPO's refresh of π_ref, in place (Gorbatovski et al. 2024): π_ref ← mix π_θ +
+    (1 - mix) π_ref, parameter by parameter; mix 1 is the hard update, a copy. Under FSDP2
+    both models are sharded alike: each rank mixes its own shards, with no gather."""
+    # A no-grad forward leaves an FSDP2 root gathered: its parameters are full tensors
+    # until it is sharded again.
+    for module in [*ref.modules(), *policy.modules()]:
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    for ref_param, param in zip(ref.parameters(), policy.parameters(), strict=True):
+        # A DTensor's local shard is a view: writing it writes the parameter.
+        if isinstance(ref_param, DTensor):
+            ref_param = ref_param.to_local()
+            param = param.to_local()
+        if mix == 1:
+            # The hard update, cast to π_ref's dtype (a frozen model's blocks are bf16 on CUDA).
+            ref_param.copy_(param)
+        else:
+            # The soft update in fp32, rounded once to π_ref's dtype.
+            ref_param.copy_(torch.lerp(ref_param.float(), param.float(), mix))
+
+
 def check_args(args):
     """Every flag's problem, before any heavy work: one line naming the flag and the fix."""
     # whole numbers: sizes and intervals from 1, and from 0 where 0 means none or off
@@ -441,6 +468,7 @@ def check_args(args):
             raise RunError(f"--{flag} {value}: must be at least 1; pass a whole number")
     at_least_0 = ["seed", "overlong_buffer", "max_sampling_rounds", "keep_checkpoints"]
     at_least_0 += ["rejection_sampling_candidates", "eval_size", "eval_samples"]
+    at_least_0 += ["ref_sync_every"]
     for flag in at_least_0:
         value = getattr(args, flag)
         if value < 0:
@@ -505,6 +533,11 @@ def check_args(args):
     if args.advantage == "reinforce_plus_plus" and args.batch_norm_advantages:
         why = "REINFORCE++ whitens its advantages over the batch already"
         raise RunError(f"--batch_norm_advantages: {why}; drop it")
+    mix = args.ref_sync_mix
+    if not 0 < mix <= 1:
+        raise RunError(f"--ref_sync_mix {mix}: α is in (0, 1]; 1 copies pi into pi_ref")
+    if args.ref_sync_every and not (args.beta > 0 or args.ref_model):
+        raise RunError("--ref_sync_every refreshes pi_ref: pass --beta > 0 (or --ref_model)")
     step = args.num_prompts_per_step * G
     if args.total_episodes < step:
         why = f"less than one step's {step} responses"
@@ -616,6 +649,10 @@ def main(args: Args):
         # `--model tiny`: the policy's random init again
         torch.manual_seed(args.seed)
         ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=shard_frozen)
+    if args.ref_sync_every and args.ref_model:
+        ref_shapes = [p.shape for p in ref_policy.parameters()]
+        if ref_shapes != [p.shape for p in policy.parameters()]:
+            raise RunError("--ref_sync_every mixes pi into pi_ref: pass a --ref_model of its size")
     if args.reward_model:
         reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=shard_frozen)
     if args.teacher_model:
@@ -642,6 +679,9 @@ def main(args: Args):
     n_pairs = len(pref["query"]) if pref else 0
     ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
     models = {"policy": (policy, optimizer)}
+    if args.ref_sync_every:
+        # a refreshed pi_ref is part of the run's state: the checkpoint holds it (no optimizer)
+        models["reference"] = (ref_policy, None)
     state = {"step": 0}
     if args.resume:
         state = load_checkpoint(args.out_dir, models)
@@ -1086,6 +1126,9 @@ def main(args: Args):
                 target=args.entropy_target,
                 delta=args.entropy_coef_delta,
             )
+        # TR-DPO's refresh of pi_ref after this step's update (open-instruct's unit)
+        if args.ref_sync_every and done % args.ref_sync_every == 0:
+            sync_reference(ref_policy, policy, args.ref_sync_mix)
         # a checkpoint when due, or on SIGTERM
         extra = dict(entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
         checkpoint(args, done, models, device, due=eval_now, extra=extra)
@@ -1201,7 +1244,7 @@ def checkpoint(args, step, models, device, due, extra=None):
         return
     root = f"{args.out_dir}/checkpoints"
     final = f"{root}/step_{step:08d}"
-    # Each model in the HF layout, with its optimizer.pt.
+    # Each model in the HF layout, with its optimizer.pt if it has an optimizer.
     for name, (model, optimizer) in models.items():
         gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
     if MASTER:
@@ -1225,9 +1268,11 @@ def newest_complete_checkpoint(out_dir, models):
         # Headers and zip directories only: a truncated file fails there, in one of many
         # ways.
         try:
-            for name in models:
+            for name, (model, optimizer) in models.items():
                 safe_open(f"{path}/{name}/model.safetensors", "pt")
-                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
+                # A frozen model in the run's state (a refreshed reference) has no optimizer.
+                if optimizer:
+                    torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             return path
         except Exception as e:

@@ -946,7 +946,7 @@ def checkpoint(args, step, models, device, due, extra=None):
         return
     root = f"{args.out_dir}/checkpoints"
     final = f"{root}/step_{step:08d}"
-    # Each model in the HF layout, with its optimizer.pt.
+    # Each model in the HF layout, with its optimizer.pt if it has an optimizer.
     for name, (model, optimizer) in models.items():
         gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
     if MASTER:
@@ -970,9 +970,11 @@ def newest_complete_checkpoint(out_dir, models):
         # Headers and zip directories only: a truncated file fails there, in one of many
         # ways.
         try:
-            for name in models:
+            for name, (model, optimizer) in models.items():
                 safe_open(f"{path}/{name}/model.safetensors", "pt")
-                torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
+                # A frozen model in the run's state (a refreshed reference) has no optimizer.
+                if optimizer:
+                    torch.load(f"{path}/{name}/optimizer.pt", weights_only=True, mmap=True)
             torch.load(f"{path}/state.pt", weights_only=True)
             return path
         except Exception as e:

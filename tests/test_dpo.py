@@ -1,7 +1,8 @@
 """dpo.py: every loss variant against its formula written out by hand, ln 2 and preference accuracy
 0.5 at the start, a step raises the chosen-rejected margin, log-probs (data.response_logprobs) stop
 at the stop token (pad = eos or not), the pair limit, a tiny run, 1 rank == 2 ranks (FSDP2, gloo),
-resume, one-line errors."""
+resume, one-line errors. WPO's weights and TR-DPO's reference refresh (by hand, under FSDP2, in runs:
+1 rank == 2 ranks, resume bitwise)."""
 
 import json
 import math
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import data
 import dpo
@@ -132,6 +134,77 @@ def test_loss_is_ln2_when_policy_is_reference():
             args = dpo.Args(loss_type=loss_type, beta=0.1, label_smoothing=ls)
             loss, rewards = dpo.pair_loss(LOGPS, LOGPS, LENS, args)
             assert torch.allclose(loss, torch.full((3,), math.log(2))) and not rewards.any()
+
+
+def test_wpo_weights_are_each_pairs_per_token_probability_detached():
+    logps = LOGPS.clone().requires_grad_()
+    weights = dpo.wpo_weights(logps, LENS)
+    for i in range(3):
+        (c, r), (lc, lr) = LOGPS[i].tolist(), LENS[i].tolist()
+        # Zhou et al. 2024, eq. 2 without the alignment: Π_t π(y_t)^(1/|y|), chosen x rejected
+        assert float(weights[i]) == pytest.approx(math.exp(c / lc + r / lr), rel=1e-6)
+    assert not weights.requires_grad  # a weight: no gradient flows through it
+
+
+def test_sync_reference_averages_at_half_and_copies_at_one():
+    """π_ref ← α π + (1 - α) π_ref, α 0.5 then 1, for an fp32 reference and for one whose blocks
+    are bf16 (a frozen model on CUDA): a copy is the policy cast to the reference's dtype."""
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        policy = gpt2.load("tiny", META)
+        torch.manual_seed(1)
+        ref = gpt2.load("tiny", META)
+        ref.transformer.h.to(dtype)
+        theta = [p.detach().clone() for p in policy.parameters()]
+        before = [p.detach().clone() for p in ref.parameters()]
+        assert not all(torch.equal(a, b.to(a.dtype)) for a, b in zip(before, theta))
+        dpo.sync_reference(ref, policy, 0.5)
+        for r, a, b in zip(ref.parameters(), before, theta):
+            assert r.dtype == a.dtype
+            torch.testing.assert_close(r.detach(), ((a.double() + b.double()) / 2).to(a.dtype))
+        assert all(torch.equal(p, t) for p, t in zip(policy.parameters(), theta))  # π untouched
+        dpo.sync_reference(ref, policy, 1.0)
+        for r, b in zip(ref.parameters(), theta):
+            assert torch.equal(r.detach(), b.to(r.dtype))
+
+
+SYNC_UNDER_FSDP2 = """
+import functools, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import dpo, gpt2
+dist.init_process_group("gloo")
+meta = dict(vocab_size=257, eos_token_id=256, pad_token_id=256)
+full = lambda m: {k: v.float() for k, v in gpt2.dcp.get_model_state_dict(
+    m, options=gpt2.dcp.StateDictOptions(full_state_dict=True)).items()}
+# π trained (fp32, bf16 compute), π_ref frozen: bf16 blocks, as on CUDA
+torch.manual_seed(0)
+policy = gpt2.load("tiny", meta, shard=functools.partial(dpo.shard, device="cpu", bf16=True))
+torch.manual_seed(1)
+frozen = functools.partial(dpo.shard, device="cpu", bf16=True, frozen=True)
+ref = gpt2.load("tiny", meta, shard=frozen)
+a, b = full(ref), full(policy)
+with torch.no_grad():  # leaves the root gathered
+    ref(torch.randint(0, 256, (2, 8)))
+dpo.sync_reference(ref, policy, float(sys.argv[2]))
+got = full(ref)
+if dist.get_rank() == 0:
+    for k in got:
+        want = torch.lerp(a[k], b[k], float(sys.argv[2]))
+        want = want.to(torch.bfloat16).float() if ".h." in k else want
+        assert torch.equal(got[k], want), k
+    print("ok", len(got))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mix", ["0.5", "1.0"])
+def test_sync_reference_under_fsdp2_mixes_each_ranks_shards(tmp_path, mix):
+    script = tmp_path / "sync.py"
+    script.write_text(SYNC_UNDER_FSDP2)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc_per_node=2", str(script), str(ROOT), mix]
+    p = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
 
 
 # ---- log-probs of real batches
@@ -314,6 +387,70 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path, small):
     assert p.returncode == 1 and "holds a run" in p.stderr and len(metrics(tmp_path / "r1")) == 7
 
 
+def test_wpo_run_averages_the_weighted_loss_over_the_global_batch(tmp_path, small):
+    """At step 1 π = π_ref, so every pair's sigmoid loss is ln 2: the weighted loss averaged over
+    the batch (TRL's mean, not a weight-normalised one) is ln 2 x the mean weight."""
+    common = ["--total_steps", "2", "--eval_size", "0", "--max_train_pairs", "32", "--wpo"]
+    run(["--out_dir", str(tmp_path), *SMALL, *small, *common])
+    first = metrics(tmp_path)[0]
+    assert 0 < first["train/wpo_weight"] < 1
+    assert first["train/loss"] == pytest.approx(math.log(2) * first["train/wpo_weight"], rel=1e-5)
+
+
+def test_hard_refresh_every_step_starts_each_step_at_ln2(tmp_path, small):
+    """--ref_sync_every 1 --ref_sync_mix 1: π_ref is a copy of π after every update, so each step
+    scores its batch with π = π_ref: loss ln 2 and margins 0 at every step, not only the first."""
+    common = ["--total_steps", "4", "--eval_every", "2", "--max_train_pairs", "32"]
+    common += ["--ref_sync_every", "1", "--ref_sync_mix", "1"]
+    p = run(["--out_dir", str(tmp_path), *common, *SMALL, *small])
+    assert "reference log-probs of" not in p.stdout  # no pass before step 0: per batch
+    m = metrics(tmp_path)
+    assert [r["step"] for r in m] == [0, 1, 2, 3, 4]
+    for r in m[1:]:
+        assert r["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert r["rewards/margins"] == 0 and r["rewards/accuracies"] == 0
+    # eval against the refreshed π_ref: π = π_ref after the step's refresh
+    assert m[2]["eval/preference_accuracy"] == 0.5 and m[2]["eval/rewards_margins"] == 0
+    assert m[-1]["logps/chosen"] != m[1]["logps/chosen"]  # yet the policy moved
+
+
+def test_refresh_one_rank_equals_two_ranks_and_resumes_bitwise(tmp_path, small):
+    """TR-DPO's soft update every 2 steps with WPO: 1 rank == 2 ranks; a resume from the step-3
+    checkpoint (π_ref mixed at step 2, different from --model and from π) ends bitwise where the
+    uninterrupted run ended, and a 2-rank checkpoint resumes at 1 rank."""
+    common = ["--total_steps", "6", "--eval_every", "3", "--max_train_pairs", "64", "--wpo"]
+    common += ["--ref_sync_every", "2", "--ref_sync_mix", "0.5", *SMALL, *small]
+    run(["--out_dir", str(tmp_path / "r1"), *common], nproc=1)
+    run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
+    a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(7))
+    for x, y in zip(a, b):
+        keys = [k for k in x if not k.startswith("perf/")]
+        assert keys == [k for k in y if not k.startswith("perf/")]
+        assert all(abs(x[k] - y[k]) < 1e-4 for k in keys), (x, y)
+    assert a[3]["rewards/margins"] != 0  # π_ref refreshed at step 2 is not π at step 3
+    step3 = Path("checkpoints") / "step_00000003"
+    for name, source in (("same", "r1"), ("across", "r2")):
+        shutil.copytree(tmp_path / source / step3, tmp_path / name / step3)
+        run(["--out_dir", str(tmp_path / name), "--resume", *common], nproc=1)
+    # the same layout: every metric and weight to the bit
+    resumed = metrics(tmp_path / "same")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for x, y in zip(a[4:], resumed):
+        assert {k: v for k, v in x.items() if not k.startswith("perf/")} == {
+            k: v for k, v in y.items() if not k.startswith("perf/")
+        }
+    want = load_file(str(tmp_path / "r1" / "model.safetensors"))
+    got = load_file(str(tmp_path / "same" / "model.safetensors"))
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    ref = Path("checkpoints") / "step_00000006" / "reference" / "model.safetensors"
+    want, got = load_file(str(tmp_path / "r1" / ref)), load_file(str(tmp_path / "same" / ref))
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    # across world sizes: the rounding of the reduction order only
+    for x, y in zip(a[4:], metrics(tmp_path / "across")):
+        assert abs(x["train/loss"] - y["train/loss"]) < 1e-4, (x, y)
+
+
 @pytest.mark.parametrize(
     "flags, expected",
     [(["--label_smoothing", "0.1", "--loss_type", "ipo"], "label_smoothing")]
@@ -321,7 +458,8 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path, small):
         (["--batch_size", "10"], "micro_batch_size"),
         (["--max_train_pairs", "8"], "--max_train_pairs"),
     ]
-    + [(["--ref_model", "/nonexistent"], "no checkpoint at")],
+    + [(["--ref_model", "/nonexistent"], "no checkpoint at")]
+    + [(["--ref_sync_every", "2", "--loss_type", "simpo"], "no π_ref to refresh")],
 )
 def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
     p = run(["--out_dir", str(tmp_path / "x"), "--total_steps", "2", *SMALL, *flags], check=False)
@@ -336,7 +474,9 @@ def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
     [("--lr", "-1"), ("--batch_size", "0"), ("--beta", "nan"), ("--max_grad_norm", "inf")]
     + [("--micro_batch_size", "0"), ("--label_smoothing", "0.5"), ("--rpo_alpha", "nan")]
     + [("--min_lr_ratio", "2"), ("--eval_every", "0"), ("--keep_checkpoints", "-1")]
-    + [("--seed", "-1"), ("--warmup_steps", "-1"), ("--simpo_gamma", "-inf")],
+    + [("--seed", "-1"), ("--warmup_steps", "-1"), ("--simpo_gamma", "-inf")]
+    + [("--ref_sync_every", "-1"), ("--ref_sync_mix", "0"), ("--ref_sync_mix", "1.5")]
+    + [("--ref_sync_mix", "nan")],
 )
 def test_out_of_range_flags_give_one_line_errors(tmp_path, flag, value):
     p = run(["--out_dir", str(tmp_path / "x"), *SMALL, flag, value], check=False)

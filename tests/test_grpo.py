@@ -3,7 +3,8 @@
 CISPO, GSPO, the aggregations, KL in the reward, the overlong punishment, adaptive entropy, RSO's
 rejection sampling, truncation masking, dynamic sampling), pad != eos; end to end: 1 rank == 2
 ranks with the first-minibatch invariant, KL 0 at step 1, every option, resume == uninterrupted
-(after SIGKILL too), a dead rank ends torchrun, one-line errors. SIGTERM to one rank and 1 = 8
+(after SIGKILL too), a dead rank ends torchrun, one-line errors; TR-DPO's refresh of pi_ref
+(KL 0 at every step with a hard copy each step; 1 rank == 2 ranks and a bitwise resume). SIGTERM to one rank and 1 = 8
 ranks = 2 nodes: tests/test_world_sizes.py; the sampler's log-probs: tests/test_gpt2.py."""
 
 import json
@@ -19,6 +20,7 @@ from typing import get_args
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import gpt2
 import grpo
@@ -569,6 +571,46 @@ def test_reference_of_a_random_tiny_model_is_its_copy(tmp_path):
     assert m["step"] == 1 and m["objective/kl"] < 1e-10 and abs(m["loss/kl_avg"]) < 1e-10, m
 
 
+def test_hard_refresh_every_step_keeps_the_kl_at_zero(tmp_path, sft_model):
+    """--ref_sync_every 1 --ref_sync_mix 1: after each step's update π_ref is a copy of π, so each
+    step samples from its reference: KL(π_old || π_ref) is 0 at every step, not only the first."""
+    common = ["--model", sft_model, "--total_episodes", "96", "--beta", "0.05", *SMALL]
+    run(["--out_dir", str(tmp_path), *common, "--ref_sync_every", "1", "--ref_sync_mix", "1"])
+    m = metrics(tmp_path)
+    assert [r["step"] for r in m] == [0, 1, 2, 3]
+    assert all(r["objective/kl"] < 1e-10 for r in m[1:]), [r["objective/kl"] for r in m[1:]]
+    assert m[-1]["objective/scores"] != m[1]["objective/scores"]  # yet the policy moved
+
+
+def test_refresh_one_rank_equals_two_ranks_and_resumes_bitwise(tmp_path, sft_model):
+    """The soft update every 2 steps: 1 rank == 2 ranks, and a resume from the step-2 checkpoint
+    (π_ref mixed at step 2: neither --model nor π) ends where the uninterrupted run ended, to the
+    bit; the reference's weights are in the checkpoint."""
+    common = ["--model", sft_model, "--total_episodes", "128", "--eval_every", "2"]
+    common += ["--beta", "0.05", "--ref_sync_every", "2", "--ref_sync_mix", "0.5", *SMALL]
+    run(["--out_dir", str(tmp_path / "r1"), *common], nproc=1)
+    run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
+    a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a, b):
+        for k in (k for k in x if not k.startswith("perf/")):
+            assert abs(x[k] - y[k]) < 1e-4, (k, x[k], y[k])
+    ckpt = tmp_path / "r1" / "checkpoints" / "step_00000002"
+    assert (ckpt / "reference" / "model.safetensors").exists()
+    shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
+    run(["--out_dir", str(tmp_path / "resumed"), "--resume", *common], nproc=1)
+    resumed = metrics(tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == [3, 4] and resumed[0]["objective/kl"] > 0
+    for x, y in zip(a[3:], resumed):
+        assert {k: v for k, v in x.items() if not k.startswith("perf/")} == {
+            k: v for k, v in y.items() if not k.startswith("perf/")
+        }
+    for name in ("model.safetensors", "checkpoints/step_00000004/reference/model.safetensors"):
+        want = load_file(str(tmp_path / "r1" / name))
+        got = load_file(str(tmp_path / "resumed" / name))
+        assert all(torch.equal(want[k], got[k]) for k in want), name
+
+
 def test_mask_truncated_leaves_responses_without_a_stop_token_out(tmp_path, sft_model):
     """One token per response: the SFT model's answers start with a digit, so none stops. With
     --mask_truncated no token is in the loss (the token means and the gradient are 0); without it
@@ -758,6 +800,10 @@ BAD = {  # flags: the error
     "--loss_type gmpo --dual_clip 3": "with --loss_type ppo",
     "--advantage reinforce_plus_plus --kl_in_reward": "--kl_in_reward: REINFORCE++ has the KL",
     "--advantage reinforce_plus_plus --batch_norm_advantages": "--batch_norm_advantages: REINFORCE++",
+    "--ref_sync_every -1": "--ref_sync_every -1: must be >= 0",
+    "--ref_sync_every 2": "--ref_sync_every refreshes pi_ref: pass --beta > 0 (or --ref_model)",
+    "--beta 0.1 --ref_sync_every 2 --ref_sync_mix 0": "--ref_sync_mix 0.0: α is in (0, 1]",
+    "--beta 0.1 --ref_sync_mix 1.5": "--ref_sync_mix 1.5: α is in (0, 1]",
 }
 
 
