@@ -167,7 +167,7 @@ def bad_specs(plugin):  # flags: the error
         f"--reward_fn {plugin}:spread --reward_weights 1 2": "--reward_weights: 2 for 1 --reward_fn",
         "--reward_weights 1": "--reward_weights: 1 for 0 --reward_fn",
         f"--reward_fn {plugin}:spread --reward_weights nan": "--reward_weights nan: not a finite",
-        "": "no reward: no verifier (for this task, or --no_verifier): pass --reward_model or",
+        "": "no reward: no verifier (for this task, or --no_verifier): pass --reward_model, --reward_fn or",
     }
 
 
