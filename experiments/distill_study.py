@@ -1,13 +1,14 @@
 """On-policy distillation against GRPO on the offline task: what a teacher's per-token
 judgement buys over the verifier's one reward per response.
 
-Per seed, two grpo.py runs start from the same SFT model, with the same prompts, sizes
-and seed: `grpo` learns from the verifier (the pipeline's GRPO), `distill` from a teacher
-alone (`--teacher_model`, `--no_verifier`), the GRPO model the pipeline trained from that
-SFT model. Both log the greedy eval accuracy every --eval_every steps; the training
-seconds are summed from perf/episodes_per_sec (eval excluded). The table gives, per eval
-step, the median and range over seeds of the accuracy, and of the accuracy gained per
-step and per training second. Runs go to OUT_DIR/<arm>-s<seed>; a finished one is reused.
+Per seed, grpo.py runs start from the same SFT model, with the same prompts, sizes and
+seed: `grpo` learns from the verifier (the pipeline's GRPO), `distill` from a teacher alone
+(`--teacher_model`, `--no_verifier`), the GRPO model the pipeline trained from that SFT
+model, and `both` from the two, their advantages added. Each logs the greedy eval
+accuracy every --eval_every steps; the training seconds are summed from
+perf/episodes_per_sec (eval excluded). The table gives, per eval step, the median and
+range over seeds of the accuracy, and of the accuracy gained per step and per training
+second. Runs go to OUT_DIR/<arm>-s<seed>; a finished one is reused.
 
     python experiments/distill_study.py --sft runs/sft/A runs/sft/B runs/sft/C \\
         --teachers runs/grpo/A runs/grpo/B runs/grpo/C --seeds 1 2 3
@@ -35,16 +36,18 @@ class Args:
     out_dir: str = "runs/distill_study"  # one grpo.py run dir per arm and seed below this
     total_episodes: int = 51200  # per run: the pipeline's GRPO (200 steps of 256)
     eval_every: int = 10  # steps between eval accuracies
-    teacher_coef: float = 1.0  # --teacher_coef of the distill arm
+    teacher_coef: float = 1.0  # --teacher_coef of the distill and both arms
+    arms: tuple[str, ...] = ("grpo", "distill", "both")  # which runs per seed
     jobs: int = 2  # runs at once (each at OMP_NUM_THREADS=1)
 
 
 def arm_flags(args, arm, sft, teacher, seed):
     flags = ["--model", sft, "--seed", str(seed), "--total_episodes", str(args.total_episodes)]
     flags += ["--eval_every", str(args.eval_every), "--log_every", "1"]
+    if arm in ("distill", "both"):
+        flags += ["--teacher_model", teacher, "--teacher_coef", str(args.teacher_coef)]
     if arm == "distill":
-        flags += ["--teacher_model", teacher, "--no_verifier"]
-        flags += ["--teacher_coef", str(args.teacher_coef)]
+        flags += ["--no_verifier"]
     return flags
 
 
@@ -84,18 +87,18 @@ def main(args: Args):
         sys.exit("error: --sft, --teachers and --seeds need one entry each per seed")
     jobs = []
     for sft, teacher, seed in zip(args.sft, args.teachers, args.seeds):
-        for arm in ("grpo", "distill"):
+        for arm in args.arms:
             run_dir = os.path.join(args.out_dir, f"{arm}-s{seed}")
             jobs.append((arm, seed, run_dir, arm_flags(args, arm, sft, teacher, seed)))
     # the arms of a seed side by side, so that both see the same load on the machine
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: run_once(job[2], job[3]), jobs))
     curves = {(arm, seed): curve(run_dir) for arm, seed, run_dir, _ in jobs}
-    steps = sorted(curves[("grpo", args.seeds[0])])
+    steps = sorted(curves[(args.arms[0], args.seeds[0])])
     lines = ["| step | arm | accuracy | gained per step | gained per second | seconds |"]
     lines.append("|---|---|---|---|---|---|")
     for step in steps[1:]:
-        for arm in ("grpo", "distill"):
+        for arm in args.arms:
             accuracy, per_step, per_second, seconds = [], [], [], []
             for seed in args.seeds:
                 start = curves[(arm, seed)][0][0]
