@@ -910,20 +910,21 @@ def main(args: Args):
         mask = batch["mask"]
         response_mask = batch["response_mask"]
 
-        # 4b. log-probs under pi_ref (when there is one) and, if asked, pi_old's once more
-        ref_logprobs = None
-        old_logprobs = batch["logprobs"]
-        scores = batch["scores"]
-        if ref_policy is not None:
-            ref_logprobs = in_micro_batches(ref_logprobs_of, query, response)
+        # 4b. the sampled tokens' log-probs: the sampler's; pi_old's once more if asked or
+        # for the sampler correction; under pi_ref and the teacher, when there are ones
         sampler_logprobs = batch["logprobs"]
+        old_logprobs = sampler_logprobs
         if recompute:
             old_logprobs = in_micro_batches(old_logprobs_of, query, response)
-        if args.kl_in_reward and ref_logprobs is not None:
-            scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
+        ref_logprobs = None
+        if ref_policy is not None:
+            ref_logprobs = in_micro_batches(ref_logprobs_of, query, response)
         teacher_logprobs = None
         if teacher is not None:
             teacher_logprobs = in_micro_batches(teacher_logprobs_of, query, response)
+        scores = batch["scores"]
+        if args.kl_in_reward and ref_logprobs is not None:
+            scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
 
         # 4c. advantages (B, T), one per token: REINFORCE++'s returns, whitened over the
         # batch; or a response's, within its prompt's group (all on this rank), then the
@@ -1038,9 +1039,8 @@ def main(args: Args):
                         outside = (is_ratio < 1.0 / cap) | (is_ratio > cap)
                         gap = {"k3": k3, "outside": outside, "tokens": torch.ones_like(k3)}
                         for name, value in gap.items():
-                            gap_sums[name] = (
-                                gap_sums.get(name, 0) + (value.double() * mb_mask).sum()
-                            )
+                            total = (value.double() * mb_mask).sum()
+                            gap_sums[name] = gap_sums.get(name, 0) + total
                         # the largest ratio, and the largest inverse ratio
                         real = mb_mask.bool()
                         ratio_max = is_ratio.masked_fill(~real, 0).max()
