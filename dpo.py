@@ -12,7 +12,7 @@ and log π(y) sums a response's token log-probs, up to and including its stop to
     dpo_norm  DPO on length-averaged log-probs (Tulu 3)
     simpo     SimPO eq. 6: no reference
 --rpo_alpha adds RPO's NLL of the chosen response; --wpo weights each pair's loss by
-the policy's probability of the pair (WPO, without its weight alignment).
+the policy's probability of the pair (WPO, with its weight alignment, as TRL).
 
 π_ref's log-probs are computed once before step 0 (again on --resume) by the
 starting policy or --ref_model, sharded as the policy is: no reference model stays
@@ -87,6 +87,7 @@ class Args:
     rpo_alpha: float = 0.0  # weight of the chosen response's NLL in the loss (RPO)
     rpo_normalization: RpoNormalization = "sequence"  # NLL per sequence (paper) or token (TRL)
     wpo: bool = False  # weight each pair's loss by its probability under π (WPO)
+    wpo_align: bool = True  # WPO's alignment: log π(y_t) less log Σ_v π(v)² per token (TRL's)
     ref_sync_every: int = 0  # τ: refresh π_ref every this many steps (TR-DPO; 0: never)
     ref_sync_mix: float = 0.6  # α: π_ref ← α π + (1 - α) π_ref at a refresh (1: a copy)
     response_length: int = 16  # max new tokens when generating for eval accuracy
@@ -146,12 +147,19 @@ def rpo_nll(logps_chosen, len_chosen, normalization, tokens_per_pair):
     return -logps_chosen / tokens_per_pair
 
 
-def wpo_weights(logps, lengths):
-    """WPO's weight of each pair (B,) (Zhou et al. 2024, eq. 2, without its weight
-    alignment): the policy's per-token probability of the chosen response times the
-    rejected one's, exp(log π(y_w)/|y_w| + log π(y_l)/|y_l|), from the summed log-probs
-    (B, 2) and lengths (B, 2). Detached: a weight, not a term to optimise."""
-    per_token = logps.detach() / lengths  # (B, 2)
+def wpo_weights(logps, lengths, collision=None):
+    """WPO's weight of each pair (B,) (Zhou et al. 2024, eq. 2): the policy's per-token
+    probability of the chosen response times the rejected one's, exp(log π(y_w)/|y_w| +
+    log π(y_l)/|y_l|), from the summed log-probs (B, 2) and lengths (B, 2). Detached: a
+    weight, not a term to optimise. collision (B, 2): each response's summed -log Σ_v π(v)²,
+    for the weight alignment."""
+    logps = logps.detach()
+    if collision is not None:
+        # The weight alignment: each token's log π less log Σ_v π(v)², the log of the
+        # probability the policy's own sample has on average (TRL 1.16: no cap at 1).
+        aligned = (logps + collision.detach()) / lengths  # (B, 2)
+        return aligned.sum(1).exp()
+    per_token = logps / lengths  # (B, 2)
     return per_token.sum(1).exp()
 
 
@@ -438,13 +446,20 @@ def main(args: Args):
             if refresh:
                 with torch.no_grad(), ctx:
                     ref_logps = data.response_logprobs(ref, query, chosen, rejected)
+            # WPO's alignment needs -log Σ_v π(v)² of each token: from the same pass
+            collision = None
             with ctx:
-                logps = data.response_logprobs(forward_model, query, chosen, rejected)
+                if args.wpo and args.wpo_align:
+                    logps, collision = data.response_logprobs_and_entropy(
+                        forward_model, query, chosen, rejected, entropy="collision"
+                    )
+                else:
+                    logps = data.response_logprobs(forward_model, query, chosen, rejected)
             loss, rewards = pair_loss(logps, ref_logps, lengths, args)
             # WPO: a pair the policy finds unlikely (off-policy) counts less
             weights = torch.ones_like(loss)
             if args.wpo:
-                weights = wpo_weights(logps, lengths)
+                weights = wpo_weights(logps, lengths, collision)
             nll = rpo_nll(logps[:, 0], lengths[:, 0], args.rpo_normalization, mean_chosen)
             loss_sum = (weights * loss + args.rpo_alpha * nll).sum()
             # FSDP2 averages gradients over ranks: times world_size makes

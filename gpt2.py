@@ -898,7 +898,8 @@ def trained_logits(x, y, t, top_k=0, top_p=1.0):
 def chunk_logprobs(x, y, t, with_entropy, top_k=0, top_p=1.0):
     """log_softmax(x / t) of logits x (n, V) at targets y (n,); the entropy (n,) or None.
 
-    With top_k or top_p, both are of the distribution renormalised over trained_logits' set.
+    with_entropy "collision": Renyi's entropy of order 2, -log sum_v p_v^2, in place of Shannon's.
+    With top_k or top_p, all are of the distribution renormalised over trained_logits' set.
     """
     # generate's formula, so the same bits.
     scaled, kept = trained_logits(x, y, t, top_k, top_p)
@@ -906,6 +907,9 @@ def chunk_logprobs(x, y, t, with_entropy, top_k=0, top_p=1.0):
     token_logp = logp.gather(1, y[:, None]).squeeze(1)
     if not with_entropy:
         return token_logp, None
+    if with_entropy == "collision":
+        # WPO's weight alignment; a filtered token's 2 log p is -inf, and counts nothing.
+        return token_logp, -torch.logsumexp(2 * logp, -1)
     if kept is None:
         return token_logp, -(logp.exp() * logp).sum(-1)
     p = logp.exp()
@@ -957,6 +961,7 @@ class TokenLogProbs(torch.autograd.Function):
         ctx.t = t
         ctx.top_k = top_k
         ctx.top_p = top_p
+        ctx.with_entropy = with_entropy
         ctx.n = max(1, TokenLogProbs.CHUNK // logits.size(1))
         forward = compiled(chunk_logprobs) if logits.is_cuda else chunk_logprobs
         out = []
@@ -974,6 +979,8 @@ class TokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad, grad_entropy):
         logits, target = ctx.saved_tensors
         n = ctx.n
+        if grad_entropy is not None and ctx.with_entropy == "collision":
+            raise RuntimeError("the collision entropy has no gradient here: use it detached")
         if grad is None:
             grad = torch.zeros(len(target), device=logits.device)
         gradient = compiled(chunk_grad) if logits.is_cuda else chunk_grad
@@ -991,12 +998,13 @@ def logprobs(model, query, response, temperature=1.0, entropy=False, top_k=0, to
     """Log-probs (B, Tr) fp32 of the responses' tokens after left-padded queries.
 
     They are under logits / temperature, as generate samples them; with them comes the entropy
-    (B, Tr) if asked, else None. Both are 0 past each row's stop. The pad and stop ids are
-    model.config's. The logits are the one (B, Tr, V) tensor made. top_k and top_p (off: 0 and
-    1): both are those of the distribution renormalised over the tokens generate's filter
-    keeps, and the target (trained_logits), so that a policy's ratio compares pi_theta and
-    pi_old on the one distribution the sampler drew from (trl#6789: a ratio whose two log-probs
-    are normalised over different sets carries the log of the kept mass).
+    (B, Tr) if asked (entropy="collision": -log sum_v p_v^2, not differentiable), else None.
+    Both are 0 past each row's stop. The pad and stop ids are model.config's. The logits are
+    the one (B, Tr, V) tensor made. top_k and top_p (off: 0 and 1): both are those of the
+    distribution renormalised over the tokens generate's filter keeps, and the target
+    (trained_logits), so that a policy's ratio compares pi_theta and pi_old on the one
+    distribution the sampler drew from (trl#6789: a ratio whose two log-probs are normalised
+    over different sets carries the log of the kept mass).
     """
     pad = model.config.pad_token_id
     eos = model.config.eos_token_id

@@ -421,12 +421,21 @@ def response_logprobs(model, query, *responses) -> torch.Tensor:
     """log π (B, R) of R responses to each query (B, Tq), each summed up to and including
     its stop token: one gpt2.logprobs call on R·B rows padded to one width (pad and stop
     ids are model.config's). Differentiable; call it under the autocast context."""
+    return response_logprobs_and_entropy(model, query, *responses, entropy=False)[0]
+
+
+def response_logprobs_and_entropy(model, query, *responses, entropy):
+    """response_logprobs (B, R), and the entropy of gpt2.logprobs' `entropy` kind summed
+    over each response's tokens (B, R), from the same forward pass (None if entropy=False)."""
     pad = model.config.pad_token_id
     width = max(r.size(1) for r in responses)
     padded = [F.pad(r, (0, width - r.size(1)), value=pad) for r in responses]
     queries = query.repeat(len(responses), 1)
-    logprobs = gpt2.logprobs(model, queries, torch.cat(padded))[0]
-    return logprobs.sum(1).view(len(responses), -1).T
+    logprobs, token_entropy = gpt2.logprobs(model, queries, torch.cat(padded), entropy=entropy)
+    logps = logprobs.sum(1).view(len(responses), -1).T
+    if token_entropy is None:
+        return logps, None
+    return logps, token_entropy.sum(1).view(len(responses), -1).T
 
 
 @torch.no_grad()

@@ -144,6 +144,16 @@ def test_wpo_weights_are_each_pairs_per_token_probability_detached():
         # Zhou et al. 2024, eq. 2 without the alignment: Π_t π(y_t)^(1/|y|), chosen x rejected
         assert float(weights[i]) == pytest.approx(math.exp(c / lc + r / lr), rel=1e-6)
     assert not weights.requires_grad  # a weight: no gradient flows through it
+    # the alignment adds each response's summed -log Σ_v π(v)² (TRL 1.16: no cap at 1)
+    collision = torch.tensor([[2.0, 3.0], [0.5, 0.1], [4.0, 6.0]]).requires_grad_()
+    weights = dpo.wpo_weights(logps, LENS, collision)
+    assert not weights.requires_grad
+    for i in range(3):
+        (c, r), (lc, lr) = LOGPS[i].tolist(), LENS[i].tolist()
+        (hc, hr) = collision[i].tolist()
+        expected = math.exp((c + hc) / lc + (r + hr) / lr)
+        assert float(weights[i]) == pytest.approx(expected, rel=1e-6)
+    assert float(weights[2]) > 1  # not capped
 
 
 def test_sync_reference_averages_at_half_and_copies_at_one():
@@ -391,10 +401,16 @@ def test_wpo_run_averages_the_weighted_loss_over_the_global_batch(tmp_path, smal
     """At step 1 π = π_ref, so every pair's sigmoid loss is ln 2: the weighted loss averaged over
     the batch (TRL's mean, not a weight-normalised one) is ln 2 x the mean weight."""
     common = ["--total_steps", "2", "--eval_size", "0", "--max_train_pairs", "32", "--wpo"]
-    run(["--out_dir", str(tmp_path), *SMALL, *small, *common])
-    first = metrics(tmp_path)[0]
-    assert 0 < first["train/wpo_weight"] < 1
-    assert first["train/loss"] == pytest.approx(math.log(2) * first["train/wpo_weight"], rel=1e-5)
+    run(["--out_dir", str(tmp_path / "plain"), *SMALL, *small, *common, "--no_wpo_align"])
+    run(["--out_dir", str(tmp_path / "aligned"), *SMALL, *small, *common])
+    plain = metrics(tmp_path / "plain")[0]
+    aligned = metrics(tmp_path / "aligned")[0]
+    for first in (plain, aligned):
+        assert first["train/wpo_weight"] > 0
+        loss = math.log(2) * first["train/wpo_weight"]
+        assert first["train/loss"] == pytest.approx(loss, rel=1e-5)
+    # the alignment divides each token's probability by Σ_v π(v)² <= 1: larger weights
+    assert aligned["train/wpo_weight"] > plain["train/wpo_weight"]
 
 
 def test_hard_refresh_every_step_starts_each_step_at_ln2(tmp_path, small):

@@ -1,6 +1,7 @@
 """gpt2.py: left padding, KV-cache generation, sampling, load/save, parity with transformers."""
 
 import json
+import math
 import os
 
 import pytest
@@ -277,6 +278,28 @@ def test_logprobs_equal_the_plain_formula(monkeypatch, temperature):
     (gpt2.logprobs(model, query, response, temperature)[0] * weights[0]).sum().backward()
     for got, p in zip(only_logprobs, model.parameters()):
         torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_collision_entropy_is_minus_log_sum_of_squared_probabilities(monkeypatch):
+    """entropy="collision" (WPO's weight alignment): -log sum_v p_v^2 of the same pass, in chunks,
+    0 past each stop; the log-probs and their gradient are unchanged; it has no gradient."""
+    monkeypatch.setattr(gpt2.TokenLogProbs, "CHUNK", 3 * V)
+    model, query = tiny_model().train(), torch.cat([torch.full((4, 2), PAD), batch()[1]], 1)
+    response = torch.tensor([[7, PAD, 5, 5], [1, 2, 3, PAD], [4, 4, PAD, 5], [9, 8, 7, 6]])
+    logprobs, collision = gpt2.logprobs(model, query, response, 0.7, entropy="collision")
+    plain, _ = gpt2.logprobs(model, query, response, 0.7)
+    assert torch.equal(logprobs, plain)
+    mask = gpt2.response_mask(response, PAD)
+    inputs = torch.cat([query[:, 2:], response[:, :-1]], 1)
+    attention_mask = torch.cat([query[:, 2:] != PAD, mask[:, :-1]], 1)
+    logits = model(inputs, attention_mask, keep_from=query.size(1) - 3)
+    logp = logits.float().div(0.7).log_softmax(-1)
+    expected = -torch.log((logp.exp() ** 2).sum(-1)) * mask
+    torch.testing.assert_close(collision, expected.detach(), atol=1e-5, rtol=0)
+    # p_v^2 summed is at most max p: the collision entropy is at least -log max p, at most log V
+    assert ((collision <= math.log(V) + 1e-5) | ~mask).all() and (collision >= 0).all()
+    with pytest.raises(RuntimeError, match="no gradient"):
+        collision.sum().backward()
 
 
 def test_trim_padding_equals_the_two_sync_version():
