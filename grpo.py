@@ -308,6 +308,25 @@ def sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap):
     return weights, ratio
 
 
+def sampler_gap(old_logprobs, sampler_logprobs, ratio, mask, cap):
+    """The sampler-trainer gap over the mask (B, T), for the metrics: sums of k3 of
+    KL(pi_sampler || pi_old) per token, of the tokens whose ratio (B, T) at the correction's
+    level leaves [1/cap, cap], and of the tokens; and the largest ratio and inverse ratio (2,)."""
+    real = mask.bool()
+    log_ratio = torch.where(real, old_logprobs - sampler_logprobs, 0.0)
+    # w - 1 - log w, w = pi_old / pi_sampler: never negative
+    k3 = torch.expm1(log_ratio) - log_ratio
+    outside = (ratio < 1.0 / cap) | (ratio > cap)
+    sums = {
+        "k3": (k3.double() * real).sum(),
+        "outside": (outside & real).double().sum(),
+        "tokens": real.double().sum(),
+    }
+    ratio_max = ratio.masked_fill(~real, 0).max()
+    inverse_max = (1 / ratio).masked_fill(~real, 0).max()
+    return sums, torch.stack([ratio_max, inverse_max])
+
+
 def grpo_loss(log_ratio, advantages, mask, clip_low, clip_high, dual_clip=None):
     """PPO's clipped surrogate (B, T) of log pi_theta / pi_old and advantages (B, T), the
     ratio in [1 - clip_low, 1 + clip_high], A < 0's loss capped at -dual_clip A. Like every
@@ -1033,19 +1052,16 @@ def main(args: Args):
                     if entropy is not None and epoch == 0:
                         entropy_sum = entropy_sum + (entropy.double() * mb_mask).sum()
                     if epoch == 0 and (minibatch == 0 or recompute):
-                        # KL(pi_sampler || pi_old) per token, k3 of pi_old / pi_sampler
-                        k3 = kl_penalty(mb_sampler_logprobs, old, None, "k3")
-                        cap = args.sampler_cap
-                        outside = (is_ratio < 1.0 / cap) | (is_ratio > cap)
-                        gap = {"k3": k3, "outside": outside, "tokens": torch.ones_like(k3)}
-                        for name, value in gap.items():
-                            total = (value.double() * mb_mask).sum()
+                        gap, extremes = sampler_gap(
+                            old_logprobs=old,
+                            sampler_logprobs=mb_sampler_logprobs,
+                            ratio=is_ratio,
+                            mask=mb_mask,
+                            cap=args.sampler_cap,
+                        )
+                        for name, total in gap.items():
                             gap_sums[name] = gap_sums.get(name, 0) + total
-                        # the largest ratio, and the largest inverse ratio
-                        real = mb_mask.bool()
-                        ratio_max = is_ratio.masked_fill(~real, 0).max()
-                        inverse_max = (1 / is_ratio).masked_fill(~real, 0).max()
-                        gap_max = torch.maximum(gap_max, torch.stack([ratio_max, inverse_max]))
+                        gap_max = torch.maximum(gap_max, extremes)
             params = policy.parameters()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):

@@ -191,6 +191,25 @@ def sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap):
     return weights, ratio
 
 
+def sampler_gap(old_logprobs, sampler_logprobs, ratio, mask, cap):
+    """The sampler-trainer gap over the mask (B, T), for the metrics: sums of k3 of
+    KL(pi_sampler || pi_old) per token, of the tokens whose ratio (B, T) at the correction's
+    level leaves [1/cap, cap], and of the tokens; and the largest ratio and inverse ratio (2,)."""
+    real = mask.bool()
+    log_ratio = torch.where(real, old_logprobs - sampler_logprobs, 0.0)
+    # w - 1 - log w, w = pi_old / pi_sampler: never negative
+    k3 = torch.expm1(log_ratio) - log_ratio
+    outside = (ratio < 1.0 / cap) | (ratio > cap)
+    sums = {
+        "k3": (k3.double() * real).sum(),
+        "outside": (outside & real).double().sum(),
+        "tokens": real.double().sum(),
+    }
+    ratio_max = ratio.masked_fill(~real, 0).max()
+    inverse_max = (1 / ratio).masked_fill(~real, 0).max()
+    return sums, torch.stack([ratio_max, inverse_max])
+
+
 def policy_loss(new_logprobs, logprobs, advantages, cliprange, dual_clip=None):
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss, all
     (B, T). Returns the losses, the ratios and where the clipped term was the larger
@@ -758,18 +777,17 @@ def main(args: Args):
             "stopped": (b_response == eos).any(1).sum(),
             "tokens": b_mask.sum() * args.num_ppo_epochs,
         }
-        # the sampler-trainer gap: k3 of KL(pi_sampler || pi_old), the share out of [1/C, C]
-        gap = torch.where(b_mask, b_logprobs - b_sampler_logprobs, 0.0)
-        k3 = torch.expm1(gap) - gap
-        cap = args.sampler_cap
-        outside = (b_is_ratio < 1.0 / cap) | (b_is_ratio > cap)
-        sums["mismatch_k3"] = (k3 * b_mask).sum()
-        sums["mismatch_outside"] = (outside & b_mask).sum()
-        sums["response_tokens"] = b_mask.sum()
-        # the largest ratio, and the largest inverse ratio, over every rank
-        ratio_max = b_is_ratio.masked_fill(~b_mask, 0).max()
-        inverse_max = (1 / b_is_ratio).masked_fill(~b_mask, 0).max()
-        gap_max = torch.stack([ratio_max, inverse_max])
+        # the sampler-trainer gap: its sums, then its extremes over every rank
+        gap, gap_max = sampler_gap(
+            old_logprobs=b_logprobs,
+            sampler_logprobs=b_sampler_logprobs,
+            ratio=b_is_ratio,
+            mask=b_mask,
+            cap=args.sampler_cap,
+        )
+        sums["mismatch_k3"] = gap["k3"]
+        sums["mismatch_outside"] = gap["outside"]
+        sums["response_tokens"] = gap["tokens"]
         if dist.is_initialized():
             dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
         sums |= token_sums
