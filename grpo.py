@@ -117,7 +117,7 @@ class Args:
     sampler_cap: float = 2.0  # C: the weight truncated at C, or masked outside [1/C, C]
     eval_every: int = 50  # steps between evals (greedy accuracy) and checkpoints
     eval_size: int = 500  # held-out prompts for the eval accuracy (0: no eval)
-    eval_samples: int = 0  # n samples per eval prompt for pass@k and mean@n (0: off)
+    eval_samples: int = 0  # samples per eval prompt for pass@k, mean@n, top-k/p too (0: off)
     log_every: int = 1  # steps between status lines and metrics rows
     keep_checkpoints: int = 2  # resumable checkpoints kept in out_dir/checkpoints (>= 1)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
@@ -858,6 +858,8 @@ def main(args: Args):
                 samples=args.eval_samples,
                 temperature=args.temperature,
                 seed=args.seed,
+                top_k=args.top_k,
+                top_p=args.top_p,
             )
         if n_pairs:
             logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)

@@ -330,13 +330,24 @@ EVAL_STREAM = 10**9
 
 @torch.no_grad()
 def sampled_accuracy(
-    model, prompts, meta, eval_size, batch_size, response_length, ctx, samples, temperature, seed
+    model,
+    prompts,
+    meta,
+    eval_size,
+    batch_size,
+    response_length,
+    ctx,
+    samples,
+    temperature,
+    seed,
+    top_k=0,
+    top_p=1.0,
 ) -> dict:
     """eval/pass@k (k = 1, 2, 4, ... up to samples, and samples) and eval/mean@samples of
-    `samples` responses per prompt at `temperature`, over the first eval_size prompts of a
-    split and all ranks (equal strided shares, as greedy_accuracy). Prompt p's uniforms are
-    row p of one global array keyed by (seed, EVAL_STREAM): any rank count samples the same
-    responses, every eval alike."""
+    `samples` responses per prompt at `temperature`, top_k and top_p (the training sampler's),
+    over the first eval_size prompts of a split and all ranks (equal strided shares, as
+    greedy_accuracy). Prompt p's uniforms are row p of one global array keyed by (seed,
+    EVAL_STREAM): any rank count samples the same responses, every eval alike."""
     rank, world_size = _rank_and_world_size()
     n = min(eval_size, len(prompts["query"])) // world_size * world_size
     idx = np.arange(rank, n, world_size)
@@ -364,6 +375,8 @@ def sampled_accuracy(
                 eos_token_id=meta["eos_token_id"],
                 temperature=temperature,
                 noise=u,
+                top_k=top_k,
+                top_p=top_p,
             )
         rewards = verify_batch(meta, rollout.response.tolist(), prompts["ground_truth"][p])
         correct[i : i + len(p)] = rewards

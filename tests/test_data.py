@@ -447,6 +447,19 @@ def test_sampled_accuracy_of_a_model_that_is_always_right_or_always_wrong():
         }
 
 
+def test_sampled_accuracy_samples_through_the_top_p_filter():
+    """The stop has probability 0.73 a step and "5" 0.27: top_p 0.5 keeps only the stop, so every
+    response is "" and right; unfiltered, some responses write a "5" and are wrong."""
+    model = peaked_model({ord("5"): 29.0, EOT: 30.0})
+    prompts = dict(load_split("arithmetic", "prompt_test"))
+    prompts["ground_truth"] = np.array([""] * len(prompts["query"]))
+    for top_p, right in [(0.5, True), (1.0, False)]:
+        got = data.sampled_accuracy(
+            model, prompts, arithmetic.META, 8, 16, 4, nullcontext(), 4, 1.0, 1, top_p=top_p
+        )
+        assert (got["eval/mean@4"] == 1.0) == right
+
+
 def test_preference_accuracy_counts_ties_half():
     logps = torch.tensor([[-1.0, -2.0], [-3.0, -1.0], [-2.0, -2.0], [-4.0, -5.0]])
     ref = torch.tensor([[-1.5, -1.5], [-3.0, -1.0], [-1.0, -3.0], [-4.0, -4.0]])
