@@ -219,6 +219,18 @@ class KVCache:
         values = self.values[layer][:, :, : self.width]
         return keys, values
 
+    def repeat_rows(self, prefix, repeats):
+        """Fill every column from prefix, a cache of B / repeats rows: each of its rows fills
+        `repeats` rows in a row. In place where the tensors exist (a CUDA graph reads them)."""
+        keys = [k.repeat_interleave(repeats, 0) for k in prefix.keys]
+        values = [v.repeat_interleave(repeats, 0) for v in prefix.values]
+        if not self.keys:
+            self.keys = keys
+            self.values = values
+            return
+        for mine, new in zip(self.keys + self.values, keys + values):
+            mine.copy_(new)
+
 
 class Conv1D(nn.Module):
     """y = x @ weight + bias, weight (in, out): GPT-2's layout, faster for decoding on CPU."""
@@ -798,6 +810,7 @@ def generate(
     cuda_graph=False,
     top_k=0,
     top_p=1.0,
+    group_size=1,
 ) -> Rollout:
     """Sample responses (B, max_new_tokens) to left-padded queries (B, Tq) with a KV cache.
 
@@ -806,10 +819,16 @@ def generate(
     from a CUDA graph, captured at the first call of each shape. Off by default until a GPU run
     has checked it (tests/test_decode.py's CUDA test, docs/gpu.md). top_k (0: off) and top_p
     (1: off): sample from the tokens kept_tokens keeps, renormalised; the log-probs recorded
-    are those of that distribution.
+    are those of that distribution. group_size: the rows come in groups of this many equal
+    queries (GRPO's samples of one prompt); the prefill runs once per group, and the group's
+    rows start from copies of its keys and values.
     """
     query, _, unpadded, _ = _trim(query, None, pad_token_id)
     B, Tq = query.shape
+    firsts = query[::group_size]  # (B / group_size, Tq)
+    # Unequal shapes (B not a multiple) are unequal too.
+    if group_size > 1 and not torch.equal(query, firsts.repeat_interleave(group_size, 0)):
+        raise ValueError(f"group_size {group_size}: the rows are not groups of equal queries")
     n = max_new_tokens
     device = query.device
     if Tq + n > model.config.block_size:
@@ -851,7 +870,18 @@ def generate(
         s.logprobs.zero_()
         # The whole query at once: its keys and values, and the first token.
         attention_mask = None if unpadded else real
-        logits = model(query, attention_mask, s.cache, keep_from=Tq - 1)[:, -1]  # (B, V)
+        if group_size == 1:
+            logits = model(query, attention_mask, s.cache, keep_from=Tq - 1)[:, -1]  # (B, V)
+        else:
+            # One row per group through the model, then its keys, values and logits copied.
+            # A row's results do not depend on the batch's other rows, but for round-off where
+            # the GEMM library picks its kernel by the row count (gpt2.matmul's oneDNN).
+            prefix = KVCache(model.config.n_layer, size)
+            if attention_mask is not None:
+                attention_mask = attention_mask[::group_size]
+            logits = model(firsts, attention_mask, prefix, keep_from=Tq - 1)[:, -1]
+            logits = logits.repeat_interleave(group_size, 0)  # (B, V)
+            s.cache.repeat_rows(prefix, group_size)
         sample(s, logits)
         for t in range(1, n):
             if graph is not None:

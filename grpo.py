@@ -757,7 +757,9 @@ def main(args: Args):
 
         # Generate with the step's global uniforms: the same samples at any rank count.
         # The sampler's log-probs are pi_old's. local_batch_size rows at a time: RSO's
-        # N candidates take no more memory.
+        # N candidates take no more memory. A chunk's rows come in runs of equal queries,
+        # `group` long (chunks and prompts both start at its multiples): one prefill per run.
+        group = math.gcd(local_batch_size, N)
         rng = np.random.default_rng([args.seed, step, round_, 2])
         noise = local(rng.random((num_prompts, N, args.response_length), np.float32))
         noise = noise.flatten(0, 1)
@@ -774,6 +776,7 @@ def main(args: Args):
                     noise=u,
                     top_k=args.top_k,
                     top_p=args.top_p,
+                    group_size=group,
                 )
                 chunks.append(chunk)
         # each chunk trimmed its own queries' padding: the queries are kept whole

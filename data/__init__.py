@@ -24,6 +24,7 @@ Entry points:
 """
 
 import json
+import math
 import os
 import re
 import time
@@ -359,6 +360,8 @@ def sampled_accuracy(
     prompt = np.repeat(idx, samples)
     sample = np.tile(np.arange(samples), len(idx))
     correct = np.zeros(len(prompt))
+    # Batches and prompts both start at multiples of `group`: one prefill per run of equal queries.
+    group = math.gcd(batch_size, samples)
     was_training = model.training
     model.eval()
     for i in progress(range(0, len(prompt), batch_size), "eval pass@k", show=rank == 0):
@@ -377,6 +380,7 @@ def sampled_accuracy(
                 noise=u,
                 top_k=top_k,
                 top_p=top_p,
+                group_size=group,
             )
         rewards = verify_batch(meta, rollout.response.tolist(), prompts["ground_truth"][p])
         correct[i : i + len(p)] = rewards

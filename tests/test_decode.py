@@ -154,6 +154,41 @@ def test_generate_equals_the_replaced_generate_at_the_benchmark_shape():
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_prefill_samples_what_the_ungrouped_one_does(padded):
+    """Three prompts, four samples each: group_size=4 runs the prompt through the model for
+    three rows, not twelve, and gives the same tokens and masks and the same log-probs to
+    round-off (the GEMM's kernel may change with the row count)."""
+    model = tiny_model()
+    lengths = (5, 9, 3) if padded else (7, 7, 7)
+    query = batch(lengths)[1].repeat_interleave(4, 0)  # (12, Tq)
+    noise = torch.rand(12, 10, generator=torch.Generator().manual_seed(6))
+    free = gpt2.generate(model, query, PAD, 10, None, 1.0, noise)
+    eos = int(free.response[0, 3])
+    rows = []
+    hook = model.transformer.wte.register_forward_hook(lambda m, i, o: rows.append(len(i[0])))
+    try:
+        got = gpt2.generate(model, query, PAD, 10, eos, 1.0, noise, group_size=4)
+    finally:
+        hook.remove()
+    expected = gpt2.generate(model, query, PAD, 10, eos, 1.0, noise)
+    # The prefill, then the decode steps.
+    assert rows[0] == 3 and set(rows[1:]) == {12}
+    assert torch.equal(got.response, expected.response)
+    assert torch.equal(got.mask, expected.mask)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+    assert 0 < got.mask.sum() < got.mask.numel()  # some rows stopped, some did not
+
+
+def test_grouped_prefill_refuses_rows_that_are_not_groups():
+    model = tiny_model()
+    query = batch((5, 9, 3))[1].repeat_interleave(2, 0)  # (6, Tq): groups of 2
+    with pytest.raises(ValueError, match="group_size 3: the rows are not groups"):
+        gpt2.generate(model, query, PAD, 4, group_size=3)
+    with pytest.raises(ValueError, match="group_size 4: the rows are not groups"):
+        gpt2.generate(model, query, PAD, 4, group_size=4)
+
+
 def prefilled(model, query, n, temperature=1.0, top_k=0, top_p=1.0):
     """A Decoding after the prompt, as generate has it before the decode loop (full width)."""
     B, Tq = query.shape
@@ -251,7 +286,7 @@ def test_autocast_casts_each_weight_once_per_generate(n):
 def test_cuda_graph_equals_eager_and_follows_optimizer_steps():
     """On a GPU (skipped without): the captured step replays eager's bits, with a stop token
     mid-way, from the cache at a second call, and after an optimizer step changed the weights;
-    with top-k and top-p, from a capture of its own."""
+    with top-k and top-p, from a capture of its own; with a grouped prefill."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     devices = os.environ.get("RLHF_TEST_CUDA_VISIBLE_DEVICES", "all")
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -281,13 +316,15 @@ query = torch.where(torch.arange(16, device="cuda") >= 16 - lengths, query, PAD)
 noise = torch.rand(64, 32, device="cuda")
 
 
-def both(eos, dtype, top_k=0, top_p=1.0):
-    sampler = dict(top_k=top_k, top_p=top_p)
+def both(eos, dtype, top_k=0, top_p=1.0, group_size=1):
+    sampler = dict(top_k=top_k, top_p=top_p, group_size=group_size)
+    # group_size > 1: every group_size-th prompt, repeated
+    q = query[::group_size].repeat_interleave(group_size, 0)
     with torch.autocast("cuda", dtype, enabled=dtype is not None):
-        eager = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=False, **sampler)
-        graph = gpt2.generate(model, query, PAD, 32, eos, 0.7, noise, cuda_graph=True, **sampler)
+        eager = gpt2.generate(model, q, PAD, 32, eos, 0.7, noise, cuda_graph=False, **sampler)
+        graph = gpt2.generate(model, q, PAD, 32, eos, 0.7, noise, cuda_graph=True, **sampler)
     for a, b in zip(eager, graph):
-        assert torch.equal(a, b), (eos, dtype, top_k, top_p)
+        assert torch.equal(a, b), (eos, dtype, top_k, top_p, group_size)
     return graph
 
 
@@ -309,6 +346,8 @@ for dtype in (None, torch.bfloat16):
     nucleus = both(eos, dtype, top_k=50, top_p=0.8)
     assert not torch.equal(nucleus.logprobs, moved.logprobs)
     assert torch.equal(both(eos, dtype).logprobs, moved.logprobs)
+    # A grouped prefill copies its keys and values into the captured cache.
+    both(eos, dtype, group_size=4)
 graphs = gpt2.GRAPHS[model]
 print(len(graphs), "captures")
 print("graph == eager")
