@@ -7,6 +7,9 @@ Sections (--sections):
             the one at git ref --baseline (imported as gpt2_baseline), the same weights
   padding   the share of real tokens in each script's micro-batches (8, 16, 32 and its default
             rows), over --pad_batches random ones, on the data sets below (no model)
+  prefix    gpt2.generate of --gen_batch rows in groups of G equal prompts (GRPO's samples of
+            one prompt, G in --group_sizes): the prefill once per group (group_size=G) against
+            once per row, the same uniforms; each of --presets
   packing   each script's training pass (forward + backward of one default micro-batch),
             packed (padding-free, gpt2.pack) against padded, and the share of its tokens that
             are real: the tiny model on the offline task; GPT-2 124M on HH-RLHF pairs (--hh)
@@ -21,6 +24,7 @@ against the bandwidth limit) and sampling against HF `generate` are experiments/
     python experiments/bench.py  # forward: minutes on 2 cores
     python experiments/bench.py --sections decode --baseline 427b2e5
     python experiments/bench.py --sections forward --presets tiny --compile --out bench.json
+    python experiments/bench.py --sections prefix --presets tiny --gen_batch 256 --prompt_len 14
     python experiments/bench.py --sections packing --hh runs/data/hh --gsm8k runs/data/gsm8k
 """
 
@@ -48,19 +52,20 @@ sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import gpt2  # noqa: E402
 
-SECTIONS = ("forward", "decode", "padding", "packing")
+SECTIONS = ("forward", "decode", "prefix", "padding", "packing")
 
 
 @dataclass
 class Args:
-    sections: str = "forward"  # comma-separated: forward, decode
+    sections: str = "forward"  # comma-separated: forward, decode, prefix, padding, packing
     presets: str = "tiny,gpt2"  # comma-separated gpt2.py presets (not decode's: tiny)
     dtypes: str = "auto"  # forward: float32 and/or bfloat16; auto: both on CPU, bf16 on CUDA
     fwd_shape: str = "auto"  # forward: B x T; auto: 64x64 tiny, else 2x128 CPU, 8x1024 CUDA
     compile: bool = False  # forward: also time torch.compile(ours)
-    gen_batch: int = 64  # decode: prompts per call
-    prompt_len: int = 16  # decode: longest prompt (half to all of it, left-padded)
-    new_tokens: int = 32  # decode: tokens sampled per prompt (and half as many)
+    gen_batch: int = 64  # decode, prefix: rows per call
+    prompt_len: int = 16  # decode, prefix: longest prompt (half to all of it, left-padded)
+    new_tokens: int = 32  # decode, prefix: tokens sampled per row (decode: and half as many)
+    group_sizes: str = "4,8,16"  # prefix: comma-separated G, each dividing --gen_batch
     repeats: int = 7  # timed turns per variant after one warmup call; medians are reported
     min_time: float = 0.3  # seconds one timed turn lasts at least (short calls are looped)
     baseline: str = "427b2e5"  # decode: the git ref of the gpt2.py to compare with
@@ -281,6 +286,53 @@ def bench_decode(args, device, sync):
     return [show(row)]
 
 
+def sample(ctx, model, query, pad, noise, group_size):
+    """One generate call of noise.shape[1] tokens, no stop token, in ctx."""
+    with ctx:
+        gpt2.generate(
+            model,
+            query,
+            pad_token_id=pad,
+            max_new_tokens=noise.shape[1],
+            noise=noise,
+            group_size=group_size,
+        )
+
+
+def bench_prefix(args, device, sync):
+    """generate's seconds per call with the prefill once per group of G equal prompts against
+    once per row: the same weights, prompts and uniforms, bf16 autocast on CUDA as the scripts."""
+    ctx = nullcontext()
+    if device.type == "cuda":
+        ctx = torch.autocast("cuda", torch.bfloat16)
+    rows = []
+    for preset in args.presets.split(","):
+        torch.manual_seed(args.seed)
+        model = gpt2.GPT(config(preset)).to(device).eval()
+        pad = model.config.vocab_size - 1
+        for G in [int(g) for g in args.group_sizes.split(",")]:
+            if args.gen_batch % G:
+                raise gpt2.RunError(
+                    f"--group_sizes {G} does not divide --gen_batch {args.gen_batch}"
+                )
+            prompts = left_padded_prompts(
+                args.gen_batch // G, args.prompt_len, pad, args.seed, device
+            )
+            query = prompts.repeat_interleave(G, 0)  # (B, Tq)
+            g = torch.Generator().manual_seed(args.seed)
+            noise = torch.rand(args.gen_batch, args.new_tokens, generator=g).to(device)
+            call = partial(sample, ctx, model, query, pad, noise)
+            fns = {"per row": partial(call, 1), "per group": partial(call, G)}
+            medians, _, times = interleaved(fns, args.repeats, args.min_time, sync)
+            shape = f"{args.gen_batch}x({args.prompt_len}+{args.new_tokens})"
+            row = {"preset": preset, "B x (prompt+new)": shape, "G": G}
+            row["prefill per row: ms"] = medians["per row"] * 1e3
+            row["per group: ms"] = medians["per group"] * 1e3
+            row |= speedup(times, "per group", "per row", "per group faster by")
+            rows.append(show(row))
+    return rows
+
+
 # The scripts' default micro-batches, in rows per forward: reward and dpo score a pair's two
 # responses in one pass. grpo's pass is the policy's log-probs with the entropy.
 PASS_ROWS = {"sft": 32, "reward": 64, "dpo": 64, "grpo": 64}
@@ -453,6 +505,8 @@ def main(args: Args):
         print(f"\n## {section}\n", flush=True)
         if section == "forward":
             results[section] = bench_forward(args, device, sync, meta)
+        elif section == "prefix":
+            results[section] = bench_prefix(args, device, sync)
         elif section == "padding":
             results[section] = bench_padding(args)
         elif section == "packing":
