@@ -326,7 +326,7 @@ def bench_prefix(args, device, sync):
             medians, _, times = interleaved(fns, args.repeats, args.min_time, sync)
             shape = f"{args.gen_batch}x({args.prompt_len}+{args.new_tokens})"
             row = {"preset": preset, "B x (prompt+new)": shape, "G": G}
-            row["prefill per row: ms"] = medians["per row"] * 1e3
+            row["per row: ms"] = medians["per row"] * 1e3
             row["per group: ms"] = medians["per group"] * 1e3
             row |= speedup(times, "per group", "per row", "per group faster by")
             rows.append(show(row))
