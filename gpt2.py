@@ -823,6 +823,8 @@ def generate(
     queries (GRPO's samples of one prompt); the prefill runs once per group, and the group's
     rows start from copies of its keys and values.
     """
+    if group_size < 1:
+        raise ValueError(f"group_size {group_size}: must be >= 1 (1: no groups)")
     query, _, unpadded, _ = _trim(query, None, pad_token_id)
     B, Tq = query.shape
     firsts = query[::group_size]  # (B / group_size, Tq)

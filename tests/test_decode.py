@@ -187,6 +187,8 @@ def test_grouped_prefill_refuses_rows_that_are_not_groups():
         gpt2.generate(model, query, PAD, 4, group_size=3)
     with pytest.raises(ValueError, match="group_size 4: the rows are not groups"):
         gpt2.generate(model, query, PAD, 4, group_size=4)
+    with pytest.raises(ValueError, match="group_size 0: must be >= 1"):
+        gpt2.generate(model, query, PAD, 4, group_size=0)
 
 
 def prefilled(model, query, n, temperature=1.0, top_k=0, top_p=1.0):
