@@ -37,3 +37,26 @@ def test_resume_names_the_script_whose_run_it_is(tmp_path):
     assert p.returncode == 1
     assert lines[-1] == f"error: '{tmp_path}' holds a run of sft.py: resume it with sft.py", lines
     assert "Traceback" not in p.stderr
+
+
+# Rank 0 reaches the error a second after rank 1, as a loaded machine can make it.
+LATE_RANK_0 = f"""
+import os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import gpt2
+if os.environ["RANK"] == "0":
+    time.sleep(1)
+raise gpt2.RunError("the same problem on every rank")
+"""
+
+
+def test_a_run_error_is_printed_by_rank_0_even_when_another_rank_gets_there_first(tmp_path):
+    """torchrun stops the whole job when one rank fails: the other ranks must not exit before
+    rank 0 has printed the line."""
+    script = tmp_path / "fails.py"
+    script.write_text(LATE_RANK_0)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    p = run(*torchrun[1:], "--nproc_per_node=2", str(script))
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode != 0
+    assert errors == ["error: the same problem on every rank"], p.stderr[-2000:]
