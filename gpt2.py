@@ -837,7 +837,8 @@ def generate(
     B, Tq = query.shape
     firsts = query[::group_size]  # (B / group_size, Tq)
     # Unequal shapes (B not a multiple) are unequal too.
-    if group_size > 1 and not torch.equal(query, firsts.repeat_interleave(group_size, 0)):
+    grouped = firsts.repeat_interleave(group_size, 0)
+    if not torch.equal(query, grouped):
         raise ValueError(f"group_size {group_size}: the rows are not groups of equal queries")
     n = max_new_tokens
     device = query.device
