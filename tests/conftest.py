@@ -8,3 +8,8 @@ os.environ.setdefault(
     "RLHF_TEST_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "all")
 )
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# Under pytest-xdist (`-n auto`: a worker per core) each worker's torch takes one thread, as the
+# scripts run by the tests already do, so that the workers do not oversubscribe the cores.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
