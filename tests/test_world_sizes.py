@@ -4,7 +4,7 @@
 - 2 nodes x 2 ranks, through torchrun's rendezvous on 127.0.0.1, give the 1-rank weights;
 - a checkpoint written at 2 ranks resumes at 1 and at 4 ranks and ends at the uninterrupted weights;
 - a SIGTERM sent to one rank only makes every rank save one checkpoint, at the same step, and stop.
-These are the suite's slowest tests (8 processes on a few cores): without -n they run last."""
+These are the suite's slowest tests (8 processes on a few cores): they run last."""
 
 import os
 import shutil
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-pytestmark = pytest.mark.slow  # and last without -n: pytest runs the files in alphabetical order
+pytestmark = pytest.mark.slow  # and last: pytest runs the files in alphabetical order
 
 # per script: the flags of a 3-step run whose batches divide by 1, 2, 4 and 8 ranks
 FLAGS = {
