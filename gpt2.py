@@ -836,10 +836,12 @@ def generate(
     query, _, unpadded, _ = _trim(query, None, pad_token_id)
     B, Tq = query.shape
     firsts = query[::group_size]  # (B / group_size, Tq)
-    # Unequal shapes (B not a multiple) are unequal too.
-    grouped = firsts.repeat_interleave(group_size, 0)
-    if not torch.equal(query, grouped):
-        raise ValueError(f"group_size {group_size}: the rows are not groups of equal queries")
+    if group_size > 1:
+        # torch.equal waits for the device: only where there are groups to check. Unequal
+        # shapes (B not a multiple) are unequal too.
+        grouped = firsts.repeat_interleave(group_size, 0)
+        if not torch.equal(query, grouped):
+            raise ValueError(f"group_size {group_size}: the rows are not groups of equal queries")
     n = max_new_tokens
     device = query.device
     if Tq + n > model.config.block_size:

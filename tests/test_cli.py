@@ -55,8 +55,7 @@ def test_a_run_error_is_printed_by_rank_0_even_when_another_rank_gets_there_firs
     rank 0 has printed the line."""
     script = tmp_path / "fails.py"
     script.write_text(LATE_RANK_0)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    p = run(*torchrun[1:], "--nproc_per_node=2", str(script))
+    p = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script))
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode != 0
     assert errors == ["error: the same problem on every rank"], p.stderr[-2000:]
