@@ -338,7 +338,10 @@ import sft
 if os.environ["RANK"] != "0":  # a clock a second behind rank 0's
     time.strftime = lambda fmt: "19700101-000000"
 sft.setup_distributed()
-print("rank", os.environ["RANK"], sft.start_run(sft.Args(), "sft"), flush=True)
+run_dir = sft.start_run(sft.Args(), "sft")
+# One file per rank: two ranks printing to one pipe can interleave their words.
+with open(f"rank{os.environ['RANK']}.txt", "w") as f:
+    f.write(run_dir)
 sft.dist.destroy_process_group()
 os._exit(0)
 """
@@ -350,8 +353,9 @@ def test_every_rank_takes_rank_0s_run_dir(tmp_path):
     p = subprocess.run(
         [*cmd, "claim.py", str(ROOT)], cwd=tmp_path, env=ENV, capture_output=True, text=True
     )
-    dirs = {line.split()[2] for line in p.stdout.splitlines() if line.startswith("rank ")}
-    assert p.returncode == 0 and len(dirs) == 1 and "19700101" not in dirs.pop(), p.stdout
+    assert p.returncode == 0, p.stderr[-3000:]
+    dirs = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)}
+    assert len(dirs) == 1 and "19700101" not in dirs.pop(), p.stdout
 
 
 def test_a_second_run_into_a_locked_out_dir_stops(tmp_path):
