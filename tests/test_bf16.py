@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from failed_run import why
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
@@ -21,7 +23,7 @@ def run(script, args, nproc):
     p = subprocess.run(
         [*cmd, *args, "--dtype", "bfloat16"], cwd=ROOT, env=ENV, capture_output=True, text=True
     )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0, why(p)
     return [
         json.loads(line) for line in open(Path(args[args.index("--out_dir") + 1]) / "metrics.jsonl")
     ]

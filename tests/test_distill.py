@@ -16,6 +16,7 @@ import torch
 
 import gpt2
 import grpo
+from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -29,7 +30,7 @@ SMALL = (
 def run(args, nproc=0, script="grpo.py"):
     cmd = [*TORCHRUN, str(nproc), script, *args] if nproc else [sys.executable, script, *args]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0, why(p)
 
 
 def metrics(out_dir):

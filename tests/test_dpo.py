@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import data
 import dpo
 import gpt2
+from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
@@ -54,7 +55,7 @@ def run(args, nproc=0, check=True, cwd=ROOT):
         timeout=300,
     )
     if check:
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert p.returncode == 0, why(p)
     return p
 
 
@@ -214,7 +215,7 @@ def test_sync_reference_under_fsdp2_mixes_each_ranks_shards(tmp_path, mix):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*torchrun, "--nproc_per_node=2", str(script), str(ROOT), mix]
     p = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0 and "ok" in p.stdout, why(p)
 
 
 # ---- log-probs of real batches

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 import gpt2
 import grpo
+from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -43,7 +44,7 @@ def command(args, nproc=0, script="grpo.py"):
 def run(args, nproc=0, check=True, cwd=ROOT, script="grpo.py"):
     cmd = command(args, nproc, script)
     p = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 or not check, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0 or not check, why(p)
     return p
 
 

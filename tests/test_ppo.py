@@ -19,6 +19,7 @@ import torch
 import adam_tf
 import gpt2
 import ppo
+from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -232,7 +233,7 @@ def run(models, out, *flags, nproc=0, check=True):
         launcher + ["ppo.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
     )
     if check:
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert p.returncode == 0, why(p)
     return p
 
 

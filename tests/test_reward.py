@@ -19,6 +19,7 @@ import torch
 import data
 import gpt2
 import reward
+from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
 HH = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
@@ -33,7 +34,7 @@ def run(args, nproc=0, check=True, cwd=ROOT):
     command = [sys.executable, *(torchrun if nproc else []), str(ROOT / "reward.py"), *args]
     p = subprocess.run(command, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
     if check:
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert p.returncode == 0, why(p)
     return p
 
 

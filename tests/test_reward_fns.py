@@ -18,6 +18,7 @@ import torch
 import data.rewards
 import gpt2
 import grpo
+from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -87,7 +88,7 @@ def command(args, nproc=0):
 def run(args, nproc=0, check=True):
     cmd = command(args, nproc)
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 or not check, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0 or not check, why(p)
     return p
 
 

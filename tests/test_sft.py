@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from failed_run import why
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 SMALL = [
@@ -39,7 +41,7 @@ def run(args, nproc=0, check=True):
         launcher + ["sft.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
     )
     if check:
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert p.returncode == 0, why(p)
     return p
 
 
@@ -353,7 +355,7 @@ def test_every_rank_takes_rank_0s_run_dir(tmp_path):
     p = subprocess.run(
         [*cmd, "claim.py", str(ROOT)], cwd=tmp_path, env=ENV, capture_output=True, text=True
     )
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why(p)
     dirs = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)}
     assert len(dirs) == 1 and "19700101" not in dirs.pop(), p.stdout
 

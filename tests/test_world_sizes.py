@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from failed_run import why
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 pytestmark = pytest.mark.slow  # and last: pytest runs the files in alphabetical order
@@ -54,7 +56,7 @@ def run(script, args, nproc=1):
     p = subprocess.run(
         launch(script, args, nproc), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
     )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0, why(p)
 
 
 def weights(out_dir, sub=""):
