@@ -847,3 +847,19 @@ def test_choice_flags_reject_other_values_listing_the_choices(capsys, flag, valu
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"'{value}'" in err, err
     assert all(choice in err for choice in choices(flag)), err
+
+
+def test_the_step_profile_in_the_docs_runs():
+    """experiments/profile_grpo.py, which docs/benchmarks.md quotes: a step's time, the rollout's
+    share of it and the ops, in a short run."""
+    script = str(ROOT / "experiments" / "profile_grpo.py")
+    flags = ["--warmup", "1", "--active", "2", "--prompts", "4", "--samples", "2", "--top", "3"]
+    p = subprocess.run(
+        [sys.executable, script, *flags], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, why(p)
+    lines = p.stdout.splitlines()
+    assert "threads 1, 2 steps after 1" in lines and "aten::addmm" in p.stdout, p.stdout[-2000:]
+    step = next(line for line in lines if line.startswith("step under the profiler:"))
+    generate = next(line for line in lines if line.startswith("  gpt2.generate:"))
+    assert 0 < float(generate.split()[1]) < float(step.split()[4]), (step, generate)
