@@ -7,7 +7,7 @@ import re
 ERROR = re.compile(r"terminate called|what\(\)|Fatal Python error|Error\b|error:")
 
 
-def why(p, tail=3000):
+def why(p):
     """Every distinct error line of the whole stderr, first as they came, then the tails of stdout
     and stderr."""
     errors = list(dict.fromkeys(line for line in p.stderr.splitlines() if ERROR.search(line)))
@@ -17,6 +17,6 @@ def why(p, tail=3000):
             "--- the error lines of every rank, first as they came:",
             *errors[:20],
             "--- the tail of stderr:",
-            p.stderr[-tail:],
+            p.stderr[-3000:],
         ]
     )
