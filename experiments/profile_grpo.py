@@ -1,8 +1,10 @@
-"""Where a grpo.py step goes on CPU: torch.profiler over a few steps of the tiny model at
-experiments/peer_bench.py's GRPO shape (16 prompts x 8 samples, up to 16 tokens, beta 0, one
-minibatch of all 128 rows), in this process. Prints the step's time under the profiler, the
-rollout's `gpt2.generate` within it, and the ops that take the most self CPU time per step.
-docs/benchmarks.md ("Where tiny GRPO's step goes") reads it.
+"""Where a grpo.py step goes on CPU: torch.profiler over a few steps of the tiny
+model at experiments/peer_bench.py's GRPO shape (16 prompts x 8 samples, up to 16
+tokens, beta 0, one minibatch of all 128 rows), in this process.
+
+It prints the step's time under the profiler, the rollout's `gpt2.generate` within
+it, and the ops that take the most self CPU time per step. docs/benchmarks.md
+("Where tiny GRPO's step goes") quotes it.
 
     OMP_NUM_THREADS=1 python experiments/profile_grpo.py
     OMP_NUM_THREADS=1 python experiments/profile_grpo.py --active 4 --top 10
@@ -38,7 +40,7 @@ class Args:
 
 
 def profiled_generate(*args, **kwargs):
-    """gpt2.generate under its own label, so that the rollout's share of the step shows."""
+    """gpt2.generate under its own label: the rollout's share of the step."""
     with record_function("gpt2.generate"):
         return GENERATE(*args, **kwargs)
 
@@ -69,7 +71,8 @@ def profile_steps(args, out_dir):
         eval_size=0,
         eval_every=steps + 1,
     )
-    # One profiler step per GRPO step: the policy takes one optimizer step per GRPO step here.
+    # One profiler step per GRPO step: one minibatch and one epoch make one optimizer
+    # step per GRPO step.
     plan = schedule(wait=0, warmup=args.warmup, active=args.active, repeat=1)
     # The start, then the time at the end of each optimizer step.
     ends = [time.perf_counter()]
@@ -87,8 +90,8 @@ def profile_steps(args, out_dir):
             gpt2.generate = GENERATE
             hook.remove()
 
-    # The recorded steps run from the end of the last warmup step to the end of the last active
-    # one.
+    # The recorded steps: from the end of the last warmup step to the end of the last
+    # active one.
     recorded = ends[args.warmup : args.warmup + args.active + 1]
     wall = [1000 * (b - a) for a, b in zip(recorded, recorded[1:])]
     events = prof.key_averages()
