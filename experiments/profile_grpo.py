@@ -11,6 +11,7 @@ it, and the ops that take the most self CPU time per step. docs/benchmarks.md
 """
 
 import os
+import runpy
 import statistics
 import sys
 import tempfile
@@ -23,10 +24,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 # grpo.py and gpt2.py live at the repository root
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import gpt2  # noqa: E402
-import grpo  # noqa: E402
 
 
 @dataclass
@@ -56,7 +57,7 @@ def main(args: Args):
 def profile_steps(args, out_dir):
     rows = args.prompts * args.samples
     steps = args.warmup + args.active
-    run = grpo.Args(
+    flags = dict(
         model="tiny",
         out_dir=out_dir,
         total_episodes=(steps + 1) * rows,
@@ -71,6 +72,8 @@ def profile_steps(args, out_dir):
         eval_size=0,
         eval_every=steps + 1,
     )
+    script = os.path.join(ROOT, "grpo.py")
+    argv = [script] + [arg for k, v in flags.items() for arg in (f"--{k}", str(v))]
     # One profiler step per GRPO step: one minibatch and one epoch make one optimizer
     # step per GRPO step.
     plan = schedule(wait=0, warmup=args.warmup, active=args.active, repeat=1)
@@ -84,8 +87,11 @@ def profile_steps(args, out_dir):
     with profile(activities=[ProfilerActivity.CPU], schedule=plan) as prof:
         hook = register_optimizer_step_post_hook(step_done)
         gpt2.generate = profiled_generate
+        # grpo.py runs as from its command line, in this process: its calls of
+        # gpt2.generate find the labelled one.
+        sys.argv = argv
         try:
-            grpo.main(run)
+            runpy.run_path(script, run_name="__main__")
         finally:
             gpt2.generate = GENERATE
             hook.remove()
