@@ -12,8 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import data
+import gpt2
+import sft
 from failed_run import why
+from runs import error_line
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -200,21 +205,24 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
     ],
 )
 def test_bad_flags_give_one_line_errors(tmp_path, flags, expected):
-    p = run(["--total_steps", "2", "--out_dir", str(tmp_path / "x"), *flags], check=False)
-    assert p.returncode == 1 and not (tmp_path / "x").exists()  # no run dir to --overwrite later
-    assert (
-        expected.format(x=tmp_path / "x") in p.stderr
-        and "Traceback" not in p.stderr
-        and len(p.stderr.strip().splitlines()) == 1
-    ), p.stderr
+    """In this process (a user's run of one is the next test): one line, and no run dir to
+    --overwrite later."""
+    line = error_line(sft, ["--total_steps", "2", "--out_dir", str(tmp_path / "x"), *flags])
+    assert expected.format(x=tmp_path / "x") in line, line
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_bad_flag_exits_1_with_one_line_as_a_user_runs_it(tmp_path):
+    args = ["--total_steps", "2", "--out_dir", str(tmp_path / "x")]
+    p = run([*args, "--batch_size", "10", "--micro_batch_size", "4"], check=False)
+    assert p.returncode == 1 and not (tmp_path / "x").exists()
+    assert p.stderr == "error: 10 does not divide by 4: change --micro_batch_size\n", p.stderr
 
 
 def test_unwritable_out_dir(tmp_path):
     (tmp_path / "file").write_text("")  # a directory cannot be made under a file, even as root
-    p = run(["--out_dir", str(tmp_path / "file" / "run"), "--total_steps", "2"], check=False)
-    assert p.returncode != 0
-    assert "cannot write to" in p.stderr and "another --out_dir" in p.stderr
-    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    line = error_line(sft, ["--out_dir", str(tmp_path / "file" / "run"), "--total_steps", "2"])
+    assert "cannot write to" in line and "another --out_dir" in line
 
 
 # ---- run directories (a finished run is never overwritten or mixed) and checkpoint faults
@@ -321,11 +329,6 @@ def test_keep_checkpoints_0_keeps_the_newest_one(tmp_path):
 def test_another_ranks_sigterm_stops_this_rank_on_a_step_that_saves_anyway(tmp_path, monkeypatch):
     """The ranks' SIGTERM flags are summed every step, due or not: a rank that skipped the sum on a
     checkpoint step would train on while its peers stop, and hang at its next collective."""
-    import torch
-
-    import gpt2
-    import sft
-
     model = gpt2.load("tiny", dict(vocab_size=257, eos_token_id=256, pad_token_id=256))
     args = sft.Args(out_dir=str(tmp_path), keep_checkpoints=1)
     monkeypatch.setattr(sft, "all_reduce", lambda x: x + 1)  # another rank was sent SIGTERM
@@ -364,9 +367,8 @@ def test_a_second_run_into_a_locked_out_dir_stops(tmp_path):
     """A live run holds an flock on its directory; the lock goes with the process, even a killed one."""
     with open(tmp_path / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running sft.py does
-        p = run(["--out_dir", str(tmp_path), "--total_steps", "2"], check=False)
-        assert p.returncode == 1 and "another run is writing to" in p.stderr, p.stderr
-        assert len(p.stderr.strip().splitlines()) == 1
+        line = error_line(sft, ["--out_dir", str(tmp_path), "--total_steps", "2"])
+        assert "another run is writing to" in line, line
     run(["--out_dir", str(tmp_path), "--total_steps", "2", "--eval_every", "2", *SMALL])
 
 
@@ -387,12 +389,10 @@ def test_eval_size_0_means_no_eval(tmp_path):
 
 
 def test_damaged_model_file_is_a_one_line_error(tmp_path):
-    run(["--out_dir", str(tmp_path / "a"), "--total_steps", "2", "--eval_every", "2", *SMALL])
+    torch.manual_seed(0)
+    gpt2.save(gpt2.load("tiny", data.load_meta("arithmetic")), str(tmp_path / "a"))
     weights = tmp_path / "a" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:500])
-    p = run(
-        ["--out_dir", str(tmp_path / "b"), "--model", str(tmp_path / "a"), "--total_steps", "2"],
-        check=False,
-    )
-    assert p.returncode == 1 and f"cannot read '{weights}'" in p.stderr and "damaged" in p.stderr
-    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    args = ["--out_dir", str(tmp_path / "b"), "--model", str(tmp_path / "a"), "--total_steps", "2"]
+    line = error_line(sft, args)
+    assert f"cannot read '{weights}'" in line and "damaged" in line, line
