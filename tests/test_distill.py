@@ -37,15 +37,11 @@ def metrics(out_dir):
     return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A student (a short SFT) and a teacher (a longer one from the same start)."""
-    out = tmp_path_factory.mktemp("models")
-    flags = "--batch_size 64 --micro_batch_size 64 --warmup_steps 20 --eval_size 8 "
-    for name, steps in (("student", 100), ("teacher", 300)):
-        run_flags = f"--total_steps {steps} --eval_every {steps} --log_every {steps} " + flags
-        run(["--out_dir", str(out / name), *run_flags.split()], script="sft.py")
-    return out
+@pytest.fixture
+def models(sft_run):
+    """A student (the short SFT's step-100 checkpoint) and a teacher (the same run at its end:
+    150 more steps from the same start), tests/conftest.py's."""
+    return dict(student=sft_run / "checkpoints" / "step_00000100" / "model", teacher=sft_run)
 
 
 def test_advantages_by_hand():
@@ -59,8 +55,8 @@ def test_advantages_by_hand():
 
 
 def distill(out_dir, models, teacher, *flags):
-    args = ["--model", str(models / "student"), "--out_dir", str(out_dir), *SMALL]
-    args += ["--total_episodes", "64", "--teacher_model", str(models / teacher), *flags]
+    args = ["--model", str(models["student"]), "--out_dir", str(out_dir), *SMALL]
+    args += ["--total_episodes", "64", "--teacher_model", str(models[teacher]), *flags]
     grpo.main(grpo.tyro.cli(grpo.Args, args=args, use_underscores=True))
     return metrics(out_dir)
 
@@ -81,7 +77,7 @@ def test_a_teacher_is_a_signal_alone_and_beside_the_verifier(tmp_path, models):
     off = distill(tmp_path / "off", models, "teacher", "--no_verifier", "--teacher_coef", "0")
     assert off[1]["train/grad_norm"] == 0
     both = distill(tmp_path / "both", models, "teacher")
-    args = ["--model", str(models / "student"), "--out_dir", str(tmp_path / "verifier")]
+    args = ["--model", str(models["student"]), "--out_dir", str(tmp_path / "verifier")]
     args += [*SMALL, "--total_episodes", "64"]
     grpo.main(grpo.tyro.cli(grpo.Args, args=args, use_underscores=True))
     verifier = metrics(tmp_path / "verifier")
@@ -91,7 +87,7 @@ def test_a_teacher_is_a_signal_alone_and_beside_the_verifier(tmp_path, models):
 
 
 def test_one_rank_equals_two_ranks(tmp_path, models):
-    common = ["--model", str(models / "student"), "--teacher_model", str(models / "teacher")]
+    common = ["--model", str(models["student"]), "--teacher_model", str(models["teacher"])]
     common += [*SMALL, "--total_episodes", "64", "--beta", "0.05"]
     run(["--out_dir", str(tmp_path / "r1"), *common])
     run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
@@ -104,7 +100,7 @@ def test_one_rank_equals_two_ranks(tmp_path, models):
 
 
 def test_resume_matches_uninterrupted(tmp_path, models):
-    common = ["--model", str(models / "student"), "--teacher_model", str(models / "teacher")]
+    common = ["--model", str(models["student"]), "--teacher_model", str(models["teacher"])]
     common += [*SMALL, "--total_episodes", "128", "--keep_checkpoints", "5", "--no_verifier"]
     run(["--out_dir", str(tmp_path / "full"), *common])
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
@@ -128,8 +124,8 @@ def test_resume_matches_uninterrupted(tmp_path, models):
     ],
 )
 def test_bad_values_give_one_line_errors(tmp_path, models, flags, expected):
-    flags = flags.replace("STUDENT", str(models / "student"))
-    args = ["--model", str(models / "student"), "--out_dir", str(tmp_path / "x"), *SMALL]
+    flags = flags.replace("STUDENT", str(models["student"]))
+    args = ["--model", str(models["student"]), "--out_dir", str(tmp_path / "x"), *SMALL]
     with pytest.raises(gpt2.RunError) as e:
         grpo.main(grpo.tyro.cli(grpo.Args, args=args + flags.split(), use_underscores=True))
     assert expected in e.value.code and "\n" not in e.value.code, e.value.code

@@ -41,14 +41,11 @@ def metrics(out_dir):
     return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
 
 
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory):
-    """A tiny model after a short SFT: its answers differ, so that groups have reward variance."""
-    out = tmp_path_factory.mktemp("sft")
-    flags = "--total_steps 150 --eval_every 150 --batch_size 64 --micro_batch_size 64 "
-    flags += "--warmup_steps 20 --eval_size 8 --log_every 150"
-    run(["--out_dir", str(out), *flags.split()], script="sft.py")
-    return str(out)
+@pytest.fixture
+def sft_model(sft_run):
+    """A tiny model after a short SFT (tests/conftest.py's at step 150): its answers differ, so
+    that groups have reward variance, and one step at --lr 1e-5 moves its ratios little."""
+    return str(sft_run / "checkpoints" / "step_00000150" / "model")
 
 
 # ---- the weights by hand
