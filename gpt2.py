@@ -75,27 +75,6 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 
-# The LM head, GPT2_HEAD: "fp32" (operands, sums and logits), "mixed" (bf16 operands on tensor
-# cores, fp32 sums and logits; CUDA under bf16 autocast only, fp32 elsewhere) or "bf16" (bf16
-# logits). bf16 logits lose the bits that tell the sampler's log-probs from the trainer's
-# (MiniMax-M1's train/inference mismatch).
-HEAD = os.environ.get("GPT2_HEAD", "fp32")
-# GPT2_FP32_HEAD=0 is the earlier name of GPT2_HEAD=bf16.
-if os.environ.get("GPT2_FP32_HEAD") == "0":
-    HEAD = "bf16"
-if HEAD not in ("fp32", "mixed", "bf16"):
-    raise RunError(f"GPT2_HEAD={HEAD}: expected fp32, mixed or bf16")
-# ln_f, the heads and the root's parameters in fp32: every head but bf16.
-FP32_HEAD = HEAD != "bf16"
-
-# The devices on which rows padded only before and after their real tokens are rolled so that
-# their pads trail, for the causal kernel with no mask (FlashAttention on GPU). The real tokens'
-# logits are the same up to rounding: attention sums the same keys at other offsets, and the
-# weight gradients sum the rows in another order. CPU runs, where it does not pay, keep the
-# masked path and its bits. Off until a GPU run has measured that it pays (docs/gpu.md):
-# GPT2_ROLL_PADDING=cuda rolls on GPU, =cpu,cuda on both.
-ROLL_PADDING = os.environ.get("GPT2_ROLL_PADDING", "none").split(",")
-
 # No cuDNN: its SDPA backward can return NaN with a mask when T % 128 == 64 (pytorch#196678).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -103,6 +82,36 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 def sdpa_contexts():
     """checkpoint's contexts: none around the forward, SDPA_BACKENDS around the recomputation."""
     return nullcontext(), sdpa_kernel(SDPA_BACKENDS)
+
+
+def head_mode():
+    """The LM head GPT2_HEAD picks, read and checked when a model is built (GPT.__init__).
+
+    "fp32" (operands, sums and logits), "mixed" (bf16 operands on tensor cores, fp32 sums and
+    logits; CUDA under bf16 autocast only, fp32 elsewhere) or "bf16" (bf16 logits). bf16 logits
+    lose the bits that tell the sampler's log-probs from the trainer's (MiniMax-M1's
+    train/inference mismatch).
+    """
+    head = os.environ.get("GPT2_HEAD", "fp32")
+    # GPT2_FP32_HEAD=0 is the earlier name of GPT2_HEAD=bf16.
+    if os.environ.get("GPT2_FP32_HEAD") == "0":
+        head = "bf16"
+    if head not in ("fp32", "mixed", "bf16"):
+        raise RunError(f"GPT2_HEAD={head}: expected fp32, mixed or bf16")
+    return head
+
+
+def roll_padding_devices():
+    """The device types GPT2_ROLL_PADDING names, read when a model is built: none by default.
+
+    On them, rows padded only before and after their real tokens are rolled so that their pads
+    trail, for the causal kernel with no mask (FlashAttention on GPU). The real tokens' logits are
+    the same up to rounding: attention sums the same keys at other offsets, and the weight
+    gradients sum the rows in another order. CPU runs, where it does not pay, keep the masked path
+    and its bits. Off until a GPU run has measured that it pays (docs/gpu.md):
+    GPT2_ROLL_PADDING=cuda rolls on GPU, =cpu,cuda on both.
+    """
+    return os.environ.get("GPT2_ROLL_PADDING", "none").split(",")
 
 
 # ---- Padding-free passes: the real tokens of a batch, packed into one row
@@ -312,10 +321,13 @@ class GPT(nn.Module):
         self.lm_head.weight = wte.weight
         # The tokenizer's vocabulary: the logits stop there, so padding rows are never sampled.
         self.n_logits = cfg.vocab_size
-        self.fp32_head = FP32_HEAD
+        # The environment's settings are read here, when a model is built: not at import.
+        head = head_mode()
+        # ln_f, the heads and the root's parameters in fp32: every head but bf16.
+        self.fp32_head = head != "bf16"
         # With fp32_head: the head's GEMM from bf16 operands, on CUDA under bf16 autocast.
-        self.mixed_head = HEAD == "mixed"
-        self.roll_padding = ROLL_PADDING
+        self.mixed_head = head == "mixed"
+        self.roll_padding = roll_padding_devices()
         # GPT-2's init: weights N(0, 0.02); the biases are zeros already.
         for m in self.modules():
             if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):

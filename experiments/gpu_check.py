@@ -23,9 +23,9 @@ Parts, in order; report.md and report.json are rewritten after each, so a cut ke
   suite         `pytest -v -rfE tests` on CPU (tests/conftest.py), started first on half the
                 cores: every failure by name
 
-Each head mode is gpt2.py imported afresh as gpt2_<mode> with GPT2_HEAD (and the older
-GPT2_FP32_HEAD) set, so the modes run side by side; a mode this gpt2.py lacks is skipped, with
-why. Weights are random (no download). Times: interleaved turns after warmups, median (range).
+Each head mode is a model built with GPT2_HEAD set (gpt2.py reads it when a model is built),
+so the modes run side by side; a mode this gpt2.py refuses is skipped, with why. Weights are
+random (no download). Times: interleaved turns after warmups, median (range).
 """
 
 import importlib.util
@@ -45,6 +45,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Literal
+from unittest import mock
 
 import torch
 import tyro
@@ -122,44 +123,38 @@ def spread(values, fmt="{:,.0f}"):
     return f"{fmt.format(statistics.median(values))} ({low}–{high})"
 
 
-def gpt2_with_head(mode):
-    """gpt2.py imported afresh as gpt2_<mode>, with the environment that selects the LM head mode
-    at import: GPT2_HEAD, and GPT2_FP32_HEAD for a gpt2.py that predates it."""
-    saved = dict(os.environ)
-    os.environ.update(GPT2_HEAD=mode, GPT2_FP32_HEAD="0" if mode == "bf16" else "1")
-    try:
-        spec = importlib.util.spec_from_file_location(f"gpt2_{mode}", f"{ROOT}/gpt2.py")
-        module = importlib.util.module_from_spec(spec)
-        # dataclasses look their module up here
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    finally:
-        # the subprocesses started later (the suite, a test) get the run's own environment
-        os.environ.clear()
-        os.environ.update(saved)
-    return module
+def head_of(model):
+    """The LM head mode a model was built with (GPT2_HEAD)."""
+    if not model.fp32_head:
+        return "bf16"
+    if model.mixed_head:
+        return "mixed"
+    return "fp32"
 
 
-def head_mode(module):
-    """The LM head mode a gpt2 module runs (GPT2_HEAD)."""
-    return module.HEAD
+def built_with_head(mode, cfg):
+    """gpt2.GPT(cfg) built with the environment that selects LM head mode `mode`: GPT2_HEAD, and
+    GPT2_FP32_HEAD (its earlier name) not 0. The environment is restored after."""
+    with mock.patch.dict(os.environ, GPT2_HEAD=mode, GPT2_FP32_HEAD="1"):
+        return gpt2.GPT(cfg)
 
 
 def heads():
-    """{mode: gpt2 module} for each mode this gpt2.py has; {mode: reason} for the others."""
-    modules, missing = {}, {}
+    """The head modes this gpt2.py builds; {mode: reason} for the others."""
+    modes, missing = [], {}
+    cfg = gpt2.GPTConfig(**gpt2.PRESETS["tiny"], vocab_size=8)
     for mode in HEADS:
         try:
-            module = gpt2_with_head(mode)
-        except Exception as e:
+            model = built_with_head(mode, cfg)
+        except gpt2.RunError as e:
             # a gpt2.py that rejects the mode's name
-            missing[mode] = f"GPT2_HEAD={mode}: import failed: {e!r}"[:200]
+            missing[mode] = f"GPT2_HEAD={mode}: {e}"[:200]
             continue
-        if head_mode(module) == mode:
-            modules[mode] = module
+        if head_of(model) == mode:
+            modes.append(mode)
         else:
-            missing[mode] = f"GPT2_HEAD={mode} runs the {head_mode(module)} head in this gpt2.py"
-    return modules, missing
+            missing[mode] = f"GPT2_HEAD={mode} builds the {head_of(model)} head in this gpt2.py"
+    return modes, missing
 
 
 def matmul_params(model):
@@ -167,11 +162,15 @@ def matmul_params(model):
     return sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
 
 
-def new_model(module, preset, seed, device):
-    """A preset's GPT, random init; tiny gets the offline task's byte vocabulary, stop and pad."""
+def new_model(preset, seed, device, head=None):
+    """A preset's GPT, random init; tiny gets the offline task's byte vocabulary, stop and pad.
+    head: the LM head mode it is built with; None: the run's own environment's, as the scripts'."""
     stop = dict(vocab_size=257, eos_token_id=256, pad_token_id=256) if preset == "tiny" else {}
+    cfg = gpt2.GPTConfig(**gpt2.PRESETS[preset], **stop)
     torch.manual_seed(seed)
-    return module.GPT(module.GPTConfig(**module.PRESETS[preset], **stop)).to(device)
+    if head is None:
+        return gpt2.GPT(cfg).to(device)
+    return built_with_head(head, cfg).to(device)
 
 
 def left_padded(B, Tq, pad, seed, device):
@@ -248,13 +247,13 @@ def part_calibrate(ctx):
     return lines, dict(gbps=gbps, tflops=tflops, us_per_node=us)
 
 
-def sft_step(module, model, forward_model, optimizer, tokens, amp):
+def sft_step(model, forward_model, optimizer, tokens, amp):
     """One step of sft.py's on tokens (B, 1 + T): the mean NLL of the T response tokens through
-    the gpt2 module's logprobs, clip, AdamW (forward_model: model or its torch.compile)."""
+    gpt2.logprobs, clip, AdamW (forward_model: model or its torch.compile)."""
 
     def step():
         with amp:
-            logprobs = module.logprobs(forward_model, tokens[:, :1], tokens[:, 1:])[0]  # (B, T)
+            logprobs = gpt2.logprobs(forward_model, tokens[:, :1], tokens[:, 1:])[0]  # (B, T)
         (-logprobs.sum() / logprobs.numel()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -278,17 +277,18 @@ def peak_bytes(ctx, step, state):
 def train(ctx, part):
     """sft.py's step per head mode, eager and compiled, interleaved: MFU and peak memory."""
     preset, B, T = ctx.sizes[part]
-    modules, missing = heads()
-    shipped = head_mode(gpt2)
+    built, missing = heads()
+    # the head the scripts build in this environment
+    shipped = gpt2.head_mode()
     # the scripts' configuration first: the default head, eager
-    modes = [mode for mode in modules if mode == shipped]
-    modes += [mode for mode in modules if mode != shipped]
+    modes = [mode for mode in built if mode == shipped]
+    modes += [mode for mode in built if mode != shipped]
     # no warmup starts after part_end: the parts after train_124M get two thirds of what is
     # left; the large one, the last, all but a minute for its turns and the suite's report
     part_end = ctx.end - 60 if part == "train_large" else time.time() + ctx.left() / 3
     fns, peaks, skipped = {}, {}, dict(missing)
     for mode in modes:
-        model = new_model(modules[mode], preset, ctx.args.seed, ctx.device)
+        model = new_model(preset, ctx.args.seed, ctx.device, head=mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)
         pad = model.config.pad_token_id
         g = torch.Generator().manual_seed(ctx.args.seed)
@@ -302,7 +302,7 @@ def train(ctx, part):
             forward_model = model
             if compiled:
                 forward_model = torch.compile(model, backend=ctx.args.compile_backend)
-            step = sft_step(modules[mode], model, forward_model, optimizer, tokens, ctx.amp)
+            step = sft_step(model, forward_model, optimizer, tokens, ctx.amp)
             # its weights and AdamW's two moments
             state = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
             try:
@@ -351,7 +351,7 @@ def decode_bytes(model, B, Tq, n):
 def sample(ctx, part):
     """Ours (graph), ours eager, HF generate: the same weights and prompts, interleaved."""
     B, Tq, n = ctx.sizes[part]
-    model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
+    model = new_model(ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
     hf = hf_copy(model)
     pad = model.config.pad_token_id
     query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
@@ -383,7 +383,7 @@ def sample(ctx, part):
 def part_greedy(ctx):
     """fp32 greedy decoding, ours (graph and eager) against HF's, every row."""
     B, Tq, n = ctx.sizes["sample_64"]
-    model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
+    model = new_model(ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
     hf = hf_copy(model)
     pad = model.config.pad_token_id
     query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
@@ -411,7 +411,7 @@ def part_graph(ctx):
     """Graph == eager bitwise at the sampling shape, bf16, with a stop token that fires for some
     rows; again after an optimizer step; then tests/test_decode.py's CUDA test (tiny, fp32+bf16)."""
     B, Tq, n = ctx.sizes["sample_64"]
-    model = new_model(gpt2, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device)
+    model = new_model(ctx.sizes["sample_preset"], ctx.args.seed, ctx.device)
     pad = model.config.pad_token_id
     query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
     noise = torch.rand(B, n, generator=torch.Generator().manual_seed(1)).to(ctx.device)
@@ -442,17 +442,17 @@ def part_logprob_gap(ctx):
     """Per head mode, bf16 autocast: generate's log-probs (the sampler) against gpt2.logprobs of
     the same responses (the trainer), the tokens up to each row's stop."""
     B, Tq, n = ctx.sizes["sample_256"]
-    modules, missing = heads()
+    modes, missing = heads()
     lines = [f"{ctx.sizes['sample_preset']}, {B} x ({Tq} + {n}), bf16 autocast, temperature 1"]
     values, body = {}, []
     amp = torch.autocast(ctx.device.type, dtype=torch.bfloat16)
-    for mode, module in modules.items():
-        model = new_model(module, ctx.sizes["sample_preset"], ctx.args.seed, ctx.device).eval()
+    for mode in modes:
+        model = new_model(ctx.sizes["sample_preset"], ctx.args.seed, ctx.device, head=mode).eval()
         pad = model.config.pad_token_id
         query = left_padded(B, Tq, pad, ctx.args.seed, ctx.device)
         with amp, torch.no_grad():
-            rollout = module.generate(model, query, pad, n, model.config.eos_token_id, 1.0)
-            trainer = module.logprobs(model, rollout.query, rollout.response)[0]
+            rollout = gpt2.generate(model, query, pad, n, model.config.eos_token_id, 1.0)
+            trainer = gpt2.logprobs(model, rollout.query, rollout.response)[0]
         # log(p_trainer / p_sampler) on the response tokens
         delta = (trainer - rollout.logprobs)[rollout.mask].double()
         # k3 (Schulman's): an unbiased, positive estimate of KL(sampler || trainer)
@@ -469,7 +469,7 @@ def part_packing(ctx):
     """Packed against padded log-probs of a ragged batch, bf16 autocast on CUDA: their gap, and
     forward + backward time in interleaved turns."""
     preset, B, Tq, Tr = ctx.sizes["packing"]
-    model = new_model(gpt2, preset, ctx.args.seed, ctx.device)
+    model = new_model(preset, ctx.args.seed, ctx.device)
     pad = model.config.pad_token_id
     eos = model.config.eos_token_id
     g = torch.Generator().manual_seed(ctx.args.seed)

@@ -54,31 +54,33 @@ def test_mixed_head_is_the_fp32_head_on_cpu():
             assert torch.equal(model(query, query != PAD), fp32)
 
 
-def test_head_env_vars():
-    """GPT2_HEAD picks the head; GPT2_FP32_HEAD=0 is the earlier name of GPT2_HEAD=bf16."""
-    script = """
-import importlib, os, gpt2
-for env in ({}, {"GPT2_HEAD": "mixed"}, {"GPT2_FP32_HEAD": "0"}, {"GPT2_HEAD": "tf32"}):
-    os.environ.update(env)
-    try:
-        importlib.reload(gpt2)
-        model = gpt2.GPT(gpt2.GPTConfig(**gpt2.PRESETS["tiny"], vocab_size=8))
-        print(gpt2.HEAD, model.fp32_head, model.mixed_head)
-    except SystemExit as e:
-        print(e)
-    for key in env:
-        del os.environ[key]
-"""
-    env = {k: v for k, v in os.environ.items() if k not in ("GPT2_HEAD", "GPT2_FP32_HEAD")}
+def test_head_env_vars(monkeypatch):
+    """GPT2_HEAD picks the head when a model is built; GPT2_FP32_HEAD=0 is the earlier name of
+    GPT2_HEAD=bf16; a bad name is one line there. Importing gpt2 reads no setting."""
+    for key in ("GPT2_HEAD", "GPT2_FP32_HEAD"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = gpt2.GPTConfig(**gpt2.PRESETS["tiny"], vocab_size=8)
+    heads = []
+    for env in ({}, {"GPT2_HEAD": "mixed"}, {"GPT2_FP32_HEAD": "0"}):
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            model = gpt2.GPT(cfg)
+        scalar = gpt2.ScalarModel(model)
+        assert scalar.fp32_head == model.fp32_head
+        heads.append((model.fp32_head, model.mixed_head))
+    assert heads == [(True, False), (True, True), (False, False)]
+    monkeypatch.setenv("GPT2_HEAD", "tf32")
+    with pytest.raises(gpt2.RunError) as error:
+        gpt2.GPT(cfg)
+    assert str(error.value) == "error: GPT2_HEAD=tf32: expected fp32, mixed or bf16"
+    # A bad setting does not stop the import: only a model built under it.
+    env = dict(os.environ, GPT2_HEAD="tf32", GPT2_ROLL_PADDING="x", GPT2_CPU_GEMM="x")
+    script = "import gpt2; print('imported')"
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
     )
-    assert out.stdout.splitlines() == [
-        "fp32 True False",
-        "mixed True True",
-        "bf16 False False",
-        "error: GPT2_HEAD=tf32: expected fp32, mixed or bf16",
-    ], out.stderr
+    assert out.stdout.strip() == "imported", out.stderr
 
 
 def test_log_prob_chunks_compile_whole():
