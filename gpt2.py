@@ -249,6 +249,21 @@ class KVCache:
             mine.copy_(new)
 
 
+def matmul(x, w, b=None, out_in=False):
+    """x (..., in) @ w (in, out) + b, or x @ w.T for w (out, in): torch's GEMM."""
+    if out_in:
+        return F.linear(x, w, b)
+    x_2d = x.reshape(-1, x.size(-1))
+    # The weight enters the GEMM as the leaf it is: autocast caches its cast of a leaf for the
+    # whole autocast region, but casts a view such as w.t() again at every call. F.linear of
+    # w.t() would run this same addmm.
+    if b is None:
+        y = torch.mm(x_2d, w)
+    else:
+        y = torch.addmm(b, x_2d, w)
+    return y.view(*x.shape[:-1], w.size(1))
+
+
 class Conv1D(nn.Module):
     """y = x @ weight + bias, weight (in, out): GPT-2's layout, faster for decoding on CPU."""
 
@@ -256,9 +271,11 @@ class Conv1D(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.zeros(n_out))
+        # torch's GEMM; a model built to route its CPU GEMMs binds cpu_matmul here instead.
+        self.gemm = matmul
 
     def forward(self, x):  # (..., in) -> (..., out)
-        return matmul(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias)
 
 
 class Block(nn.Module):
@@ -328,6 +345,8 @@ class GPT(nn.Module):
         # With fp32_head: the head's GEMM from bf16 operands, on CUDA under bf16 autocast.
         self.mixed_head = head == "mixed"
         self.roll_padding = roll_padding_devices()
+        # The LM head's GEMM, as Conv1D's: torch's, or cpu_matmul (bind_cpu_gemms).
+        self.gemm = matmul
         # GPT-2's init: weights N(0, 0.02); the biases are zeros already.
         for m in self.modules():
             if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):
@@ -336,6 +355,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        # The CPU's fp32 GEMMs to oneDNN where it pays (the CPU speed section at the end).
+        bind_cpu_gemms(self)
 
     def forward(
         self,
@@ -446,7 +467,7 @@ class GPT(nn.Module):
     def logits(self, x):  # (..., C) -> (..., n_logits)
         w = self.lm_head.weight[: self.n_logits]
         if not self.fp32_head:
-            return matmul(x, w, out_in=True)
+            return self.gemm(x, w, out_in=True)
         # The mixed head is for CUDA's bf16 autocast; elsewhere the head is fp32.
         cuda_bf16 = x.is_cuda and torch.get_autocast_dtype("cuda") == torch.bfloat16
         mixed = self.mixed_head and cuda_bf16 and torch.is_autocast_enabled("cuda")
@@ -454,7 +475,7 @@ class GPT(nn.Module):
             if mixed:
                 logits = MixedHead.apply(x.flatten(0, -2), w)
                 return logits.view(*x.shape[:-1], -1)
-            return matmul(x.float(), w.float(), out_in=True)
+            return self.gemm(x.float(), w.float(), out_in=True)
 
 
 def mm_fp32(a, b):
@@ -1295,14 +1316,64 @@ def _resolve(name):
 
 # ---- CPU speed: the fp32 GEMM library and the allocator (nothing here runs on GPU)
 # torch sends fp32 CPU GEMMs to MKL, which takes a slow generic path on AMD CPUs; oneDNN (also
-# in torch) does not (docs/benchmarks.md). GPT2_CPU_GEMM=mkl|onednn overrides the choice.
-AMD = os.path.isfile("/proc/cpuinfo") and "AuthenticAMD" in open("/proc/cpuinfo").read()
-GEMM = os.environ.get("GPT2_CPU_GEMM") or ("onednn" if AMD else "mkl")
-ONEDNN = GEMM == "onednn" and torch.backends.mkldnn.is_available()
+# in torch) does not (docs/benchmarks.md).
 # oneDNN's fixed cost per call loses on GEMMs with few weights and few rows, such as a
 # decode step of the tiny model.
 ONEDNN_MIN_WEIGHTS = 1 << 18
 ONEDNN_MIN_ROWS = 512
+
+
+@functools.cache
+def amd_cpu():
+    """Whether this machine's CPU is AMD's: read once, when the first model is built."""
+    if not os.path.isfile("/proc/cpuinfo"):
+        return False
+    with open("/proc/cpuinfo") as f:
+        return "AuthenticAMD" in f.read()
+
+
+def cpu_gemm():
+    """The library of a model's fp32 CPU GEMMs, read when it is built: "onednn" or "mkl".
+
+    oneDNN on AMD CPUs, MKL elsewhere; GPT2_CPU_GEMM=mkl|onednn overrides the choice. MKL where
+    this torch has no oneDNN.
+    """
+    choice = os.environ.get("GPT2_CPU_GEMM") or ("onednn" if amd_cpu() else "mkl")
+    if choice == "onednn" and torch.backends.mkldnn.is_available():
+        return "onednn"
+    return "mkl"
+
+
+def bind_cpu_gemms(model):
+    """Route the GEMMs of model's Conv1Ds and LM head through cpu_matmul, if cpu_gemm() is oneDNN.
+
+    Bound once, when the model is built: a forward then makes no choice of library, only
+    cpu_matmul's choice of oneDNN or torch by device, rows, dtype and compile state.
+    """
+    if cpu_gemm() != "onednn":
+        return
+    for m in model.modules():
+        if isinstance(m, (Conv1D, GPT)):
+            m.gemm = cpu_matmul
+
+
+def cpu_matmul(x, w, b=None, out_in=False):
+    """matmul, on oneDNN where it pays: a CPU GEMM, fp32, eager, and big enough."""
+    if x.is_cuda:
+        return matmul(x, w, b, out_in)
+    rows = x.numel() // x.size(-1)
+    big = w.numel() >= ONEDNN_MIN_WEIGHTS or rows >= ONEDNN_MIN_ROWS
+    fp32 = x.dtype == w.dtype == torch.float32
+    # Autocast and torch.compile know torch's GEMMs, not the custom Function below.
+    eager = not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+    if not (fp32 and big and eager):
+        return matmul(x, w, b, out_in)
+    x_2d = x.reshape(rows, x.size(-1))
+    # Under no_grad (decoding), apply records no graph.
+    y = OneDNNMatmul.apply(x_2d, w, b, out_in)
+    # Reshaped as torch.matmul does, not as a view: FSDP2 warns when a module returns a view.
+    out_shape = (*x.shape[:-1], y.size(-1))
+    return torch.ops.aten._unsafe_view(y, out_shape)
 
 
 def _onednn(x, w, b=None):
@@ -1340,43 +1411,6 @@ class OneDNNMatmul(torch.autograd.Function):
         if need_b:
             gb = g.sum(0)
         return gx, gw, gb, None
-
-
-def matmul(x, w, b=None, out_in=False):
-    """x (..., in) @ w (in, out) + b, or x @ w.T for w (out, in); fp32 on CPU through oneDNN."""
-    # ONEDNN is decided once at import; on CUDA this is one flag and one device check.
-    if ONEDNN and not x.is_cuda:
-        y = _cpu_matmul(x, w, b, out_in)
-        if y is not None:
-            return y
-    if out_in:
-        return F.linear(x, w, b)
-    x_2d = x.reshape(-1, x.size(-1))
-    # The weight enters the GEMM as the leaf it is: autocast caches its cast of a leaf for the
-    # whole autocast region, but casts a view such as w.t() again at every call. F.linear of
-    # w.t() would run this same addmm.
-    if b is None:
-        y = torch.mm(x_2d, w)
-    else:
-        y = torch.addmm(b, x_2d, w)
-    return y.view(*x.shape[:-1], w.size(1))
-
-
-def _cpu_matmul(x, w, b, out_in):
-    """matmul on oneDNN where it pays; None where torch's own GEMM is the better choice."""
-    rows = x.numel() // x.size(-1)
-    big = w.numel() >= ONEDNN_MIN_WEIGHTS or rows >= ONEDNN_MIN_ROWS
-    fp32 = x.dtype == w.dtype == torch.float32
-    # Autocast and torch.compile know torch's GEMMs, not the custom Function below.
-    eager = not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-    if not (fp32 and big and eager):
-        return None
-    x_2d = x.reshape(rows, x.size(-1))
-    # Under no_grad (decoding), apply records no graph.
-    y = OneDNNMatmul.apply(x_2d, w, b, out_in)
-    # Reshaped as torch.matmul does, not as a view: FSDP2 warns when a module returns a view.
-    out_shape = (*x.shape[:-1], y.size(-1))
-    return torch.ops.aten._unsafe_view(y, out_shape)
 
 
 def keep_freed_memory():

@@ -475,7 +475,7 @@ def main(args: Args):
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     print(f"{versions}, trl {trl.__version__}; {os.cpu_count()} CPUs", flush=True)
     threads = env.get("OMP_NUM_THREADS", "unset")
-    gemm = "oneDNN" if gpt2.ONEDNN else "MKL"
+    gemm = "oneDNN" if gpt2.cpu_gemm() == "onednn" else "MKL"
     print(f"OMP_NUM_THREADS={threads}; our fp32 CPU GEMMs: {gemm}, TRL's: MKL", flush=True)
     meta = data.load_meta("arithmetic")
     tmp = tempfile.mkdtemp(prefix="peer_bench_")

@@ -323,14 +323,19 @@ def test_trim_padding_equals_the_two_sync_version():
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("n_logits", [V, V - 1])
 def test_onednn_gemms_equal_torch_gemms(monkeypatch, n_logits):
-    """gpt2.matmul through oneDNN (the default on AMD CPUs) gives torch's own GEMM's logits,
-    gradients and greedy generations, for the tied head in full and sliced (a padded vocabulary)."""
+    """The GEMMs routed through oneDNN (GPT2_CPU_GEMM=onednn, the default on AMD CPUs) give torch's
+    own GEMM's logits, gradients and greedy generations, for the tied head in full and sliced (a
+    padded vocabulary)."""
     query = batch()[1]
     out = []
-    for onednn in (False, True):
-        monkeypatch.setattr(gpt2, "ONEDNN", onednn)
-        monkeypatch.setattr(gpt2, "ONEDNN_MIN_WEIGHTS", 0)  # the tiny model's GEMMs too
+    monkeypatch.setattr(gpt2, "ONEDNN_MIN_WEIGHTS", 0)  # the tiny model's GEMMs too
+    for gemm in ("mkl", "onednn"):
+        # Read when the model is built: its Conv1Ds and LM head are bound to the routing.
+        monkeypatch.setenv("GPT2_CPU_GEMM", gemm)
         model = tiny_model().train()
+        routed = gpt2.cpu_matmul if gemm == "onednn" else gpt2.matmul
+        gemms = [m.gemm for m in model.modules() if isinstance(m, (gpt2.Conv1D, gpt2.GPT))]
+        assert len(gemms) == 1 + 4 * model.config.n_layer and all(g is routed for g in gemms)
         model.n_logits = n_logits
         logits = model(query, (query != PAD).long())
         assert not logits._is_view()  # FSDP2 warns when a module returns a view
