@@ -289,13 +289,29 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(C, eps=eps)
         self.mlp = nn.ModuleDict(dict(c_fc=Conv1D(C, 4 * C), c_proj=Conv1D(4 * C, C)))
 
-    def forward(self, x, attn_mask, kv_cache=None, layer=0):
-        B, T, C = x.shape
+    def forward(self, x, attn_mask=None, kv_cache=None, layer=0, packing=None):
+        """x (B, T, C) -> (B, T, C): attention, then the MLP, each added to the residual stream.
+
+        attn_mask (B, 1, T, S) bool: the keys each query sees; None: no padding, and the causal
+        kernel with no mask. kv_cache: this block's keys and values are written to it, and
+        attention reads its columns (layer: the block's index). packing: x is one row of pack()'s
+        real tokens (1, N, C), and attention stays within each of its sequences.
+        """
+        C = x.size(-1)
         qkv = self.attn.c_attn(self.ln_1(x))
         q, k, v = qkv.split(C, dim=2)
-        if isinstance(attn_mask, Packing):
-            y = packed_attention(q, k, v, self.n_head, attn_mask)
-            return self.rest(x, y)
+        if packing is None:
+            y = self.attention(q, k, v, attn_mask, kv_cache, layer)
+        else:
+            y = packed_attention(q, k, v, self.n_head, packing)
+        x = x + self.attn.c_proj(y)
+        # The tanh approximation of GELU: GPT-2's gelu_new.
+        h = F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh")
+        return x + self.mlp.c_proj(h)
+
+    def attention(self, q, k, v, attn_mask, kv_cache, layer):
+        """Multi-head attention of q, k, v (B, T, C) -> (B, T, C), over the cache's keys too."""
+        B, T, C = q.shape
         q = q.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
@@ -305,15 +321,7 @@ class Block(nn.Module):
         # forward, around the blocks (GPT.body).
         is_causal = attn_mask is None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.rest(x, y)
-
-    def rest(self, x, y):
-        """The block after attention: x (B, T, C) plus the projected attention y, then the MLP."""
-        x = x + self.attn.c_proj(y)
-        # The tanh approximation of GELU: GPT-2's gelu_new.
-        h = F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh")
-        return x + self.mlp.c_proj(h)
+        return y.transpose(1, 2).reshape(B, T, C)
 
 
 class GPT(nn.Module):
@@ -371,82 +379,119 @@ class GPT(nn.Module):
         """The logits (B, T', V), or hidden states (B, T', C), of positions keep_from.. of idx.
 
         idx (B, T): tokens. attention_mask (B, T): 1 for a real token, 0 for padding; None: no
-        padding, and the causal kernel with no mask. A mask is always used as given: whether
-        every token is real is the callers' to say (it takes a host sync, which they already
-        make in _trim). contiguous: the caller has checked that each row's real tokens are one
-        run, padding only before and after it, so that the rows may be rolled (roll_padding).
-        kv_cache: a KVCache whose columns 0..T-1 the keys and values fill. packing: pack()'s
-        Packing of attention_mask: the pass runs on the real tokens only, and returns the kept
-        ones' logits (n, V) or hidden states (n, C). No dropout: RL needs the same logits in
-        every pass.
+        padding. The arguments pick one of three passes, each a method below:
+        - packing, pack()'s Packing of attention_mask: `packed`, the real tokens only, in one
+          row; it returns the kept ones' logits (n, V) or hidden states (n, C). The scripts
+          train through it by default (--packing): gpt2.logprobs in sft.py, dpo.py
+          (data.response_logprobs), ppo.py and grpo.py; get_reward's scores in reward.py,
+          ppo.py and grpo.py; ppo.py's values (forward_values).
+        - kv_cache, a KVCache: `prefill`, the padded pass that starts gpt2.generate, whose keys
+          and values fill the cache's columns 0..T-1; `decode` then feeds one token per row.
+          ppo.py and grpo.py sample their rollouts this way; reward.py its normalisation's
+          responses, and data's accuracy evaluations their answers.
+        - otherwise `padded`, with attention_mask's mask, or with none and the causal kernel:
+          logprobs' and get_reward's batches with no padding (or whose padding cannot be
+          packed), and every training pass under --no_packing.
+        A mask is always used as given: whether every token is real is the callers' to say (it
+        takes a host sync, which they already make in _trim). contiguous: the caller has
+        checked that each row's real tokens are one run, padding only before and after it, so
+        that the rows may be rolled (rolled padding, off by default). No dropout: RL needs the
+        same logits in every pass.
         """
-        B, T = idx.shape
-        device = idx.device
+        T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"{T} tokens exceed block_size {self.config.block_size}")
         if packing is not None:
-            packed_idx = idx.flatten()[packing.tokens][None]  # (1, N)
-            positions = packing.positions[None]  # (1, N)
-            return self.body(packed_idx, positions, packing, hidden=hidden)
-        if kv_cache is not None:
-            kv_cache.cols = torch.arange(T, device=device)
-            kv_cache.width = T
+            x = self.packed(idx, packing)  # (n, C)
+        elif kv_cache is not None:
+            x = self.prefill(idx, attention_mask, kv_cache)[:, keep_from:]
+        elif contiguous and rolls_padding(self, idx, attention_mask):
+            # Off by default: the section on GPU paths, at the end of the file.
+            x = rolled(self, idx, attention_mask, keep_from)
+        else:
+            x = self.padded(idx, attention_mask)[:, keep_from:]
+        return self.head(x, hidden)
+
+    def padded(self, idx, attention_mask, kv_cache=None):
+        """The blocks' output (B, T, C) for a padded batch idx (B, T), attention_mask as forward's.
+
+        kv_cache: the blocks' keys and values are written to it too (prefill).
+        """
+        B, T = idx.shape
+        device = idx.device
         if attention_mask is None:
-            position_ids = torch.arange(T, device=device).expand(B, T)
-            return self.body(idx, position_ids, None, kv_cache, hidden, keep_from)
+            positions = torch.arange(T, device=device).expand(B, T)
+            return self.body(idx, positions, None, kv_cache)
         # Positions count the real tokens only, so left padding changes nothing.
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if contiguous and kv_cache is None and device.type in self.roll_padding:
-            return self.rolled(idx, attention_mask, position_ids, hidden, keep_from)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         q_idx = torch.arange(T, device=device)[:, None]  # (T, 1)
         k_idx = torch.arange(T, device=device)[None, :]  # (1, T)
         real = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
         # Causal and not padding; and always itself, so that a pad row is never all -inf,
         # which SDPA turns into NaN.
         attn_mask = ((k_idx <= q_idx) & real) | (k_idx == q_idx)  # (B, 1, T, T)
-        return self.body(idx, position_ids, attn_mask, kv_cache, hidden, keep_from)
+        return self.body(idx, positions, attn_mask, kv_cache)
 
-    def rolled(self, idx, attention_mask, position_ids, hidden, keep_from):
-        """forward of rows whose real tokens are one run each, on the causal kernel with no mask.
+    def packed(self, idx, packing):
+        """The blocks' output (n, C) at packing's kept tokens: the blocks see only the real tokens
+        of idx (B, T), packed into one row."""
+        packed_idx = idx.flatten()[packing.tokens][None]  # (1, N)
+        positions = packing.positions[None]  # (1, N)
+        x = self.body(packed_idx, positions, packing=packing)  # (1, N, C)
+        return x[0, packing.keep]
 
-        Each row is rolled left by its count of leading pads, so that every pad trails: a real
-        token then sees the real tokens before it, at their positions, and no pad. The hidden
-        states are rolled back before the head.
-        """
+    def prefill(self, idx, attention_mask, kv_cache):
+        """padded's output (B, T, C), the blocks' keys and values written to kv_cache's columns
+        0..T-1: the whole query at once, before generate's decode steps."""
         T = idx.size(1)
-        # An all-pad row has no first real token: argmax gives 0, and it is not rolled.
-        lead = attention_mask.int().argmax(1, keepdim=True)  # (B, 1)
-        cols = torch.arange(T, device=idx.device)
-        take = (cols + lead) % T  # (B, T)
-        give_back = (cols - lead) % T  # (B, T)
-        rolled_idx = idx.gather(1, take)
-        rolled_positions = position_ids.gather(1, take)
-        return self.body(rolled_idx, rolled_positions, None, None, hidden, keep_from, give_back)
+        kv_cache.cols = torch.arange(T, device=idx.device)
+        kv_cache.width = T
+        return self.padded(idx, attention_mask, kv_cache)
 
-    def body(
-        self, idx, position_ids, attn_mask, kv_cache=None, hidden=False, keep_from=0, order=None
-    ):
-        """forward's work, from given positions (B, T) and attention mask (B, 1, T, S) or None.
+    def decode(self, token, positions, attn_mask, kv_cache):
+        """The logits (B, V) after one token per row, token (B, 1) at positions (B, 1): a decode
+        step. Its keys and values go to kv_cache's columns cols; attn_mask (B, 1, 1, S) marks the
+        real ones among the columns attention reads."""
+        x = self.body(token, positions, attn_mask, kv_cache)  # (B, 1, C)
+        return self.head(x)[:, -1]
 
-        order (B, T): which column of the blocks' output each column takes, to undo a roll.
-        attn_mask may be a Packing instead: the blocks then see one packed row, and only its
-        kept tokens go on to the head.
+    def body(self, idx, positions, attn_mask=None, kv_cache=None, packing=None):
+        """The blocks' output (B, T, C) for tokens idx (B, T) at positions (B, T).
+
+        attn_mask, kv_cache and packing are Block.forward's.
         """
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
-        pos_emb = self.transformer.wpe(position_ids)  # (B, T, C)
+        pos_emb = self.transformer.wpe(positions)  # (B, T, C)
         x = tok_emb + pos_emb
         # Entered once per forward, not per block: each entry costs host time.
         with sdpa_kernel(SDPA_BACKENDS):
             for layer, block in enumerate(self.transformer.h):
-                x = self.block(block, x, attn_mask, kv_cache, layer)
-        if isinstance(attn_mask, Packing):
-            x = x[0, attn_mask.keep]  # (n, C)
-        elif order is None:
-            x = x[:, keep_from:]
-        else:
-            # Only the kept columns are taken back.
-            take = order[:, keep_from:, None].expand(-1, -1, x.size(-1))
-            x = x.gather(1, take)
+                x = self.run_block(block, x, attn_mask, kv_cache, layer, packing)
+        return x
+
+    def run_block(self, block, x, attn_mask, kv_cache, layer, packing):
+        """One block: recomputed in backward, or hook-free inside `unsharded`, or plainly."""
+        if self.activation_checkpointing and self.training:
+            # The recomputation runs in backward, outside body's sdpa_kernel: it enters its own.
+            return checkpoint(
+                block,
+                x,
+                attn_mask,
+                kv_cache,
+                layer,
+                packing,
+                use_reentrant=False,
+                context_fn=sdpa_contexts,
+            )
+        if not self.hooks:
+            # No FSDP2 hooks: cast to the blocks' dtype, as FSDP2's would.
+            x = x.to(block.ln_1.weight.dtype)
+            return block.forward(x, attn_mask, kv_cache, layer, packing)
+        return block(x, attn_mask, kv_cache, layer, packing)
+
+    def head(self, x, hidden=False):
+        """ln_f of the blocks' output x (..., C), then the logits (..., n_logits); or, if hidden,
+        the hidden states (..., C)."""
         if self.fp32_head:
             x = x.float()
         x = self.transformer.ln_f(x)
@@ -454,28 +499,58 @@ class GPT(nn.Module):
             return x
         return self.logits(x)
 
-    def block(self, block, x, attn_mask, kv_cache, layer):
-        """One block: recomputed in backward, or hook-free inside `unsharded`, or plainly."""
-        if self.activation_checkpointing and self.training:
-            # The recomputation runs in backward, outside body's sdpa_kernel: it enters its own.
-            return checkpoint(block, x, attn_mask, use_reentrant=False, context_fn=sdpa_contexts)
-        if not self.hooks:
-            # No FSDP2 hooks: cast to the blocks' dtype, as FSDP2's would.
-            return block.forward(x.to(block.ln_1.weight.dtype), attn_mask, kv_cache, layer)
-        return block(x, attn_mask, kv_cache, layer)
-
     def logits(self, x):  # (..., C) -> (..., n_logits)
         w = self.lm_head.weight[: self.n_logits]
         if not self.fp32_head:
             return self.gemm(x, w, out_in=True)
-        # The mixed head is for CUDA's bf16 autocast; elsewhere the head is fp32.
-        cuda_bf16 = x.is_cuda and torch.get_autocast_dtype("cuda") == torch.bfloat16
-        mixed = self.mixed_head and cuda_bf16 and torch.is_autocast_enabled("cuda")
+        if self.mixed_head and under_cuda_bf16_autocast(x):
+            # Off by default: the section on GPU paths, at the end of the file.
+            return mixed_logits(x, w)
         with torch.autocast(x.device.type, enabled=False):
-            if mixed:
-                logits = MixedHead.apply(x.flatten(0, -2), w)
-                return logits.view(*x.shape[:-1], -1)
             return self.gemm(x.float(), w.float(), out_in=True)
+
+
+def rolls_padding(model, idx, attention_mask):
+    """Whether forward rolls rows of idx (rolled): a mask to roll by, on a device that
+    GPT2_ROLL_PADDING names (model.roll_padding)."""
+    return attention_mask is not None and idx.device.type in model.roll_padding
+
+
+def rolled(model, idx, attention_mask, keep_from):
+    """forward's blocks' output (B, T', C) at columns keep_from.. of rows whose real tokens are
+    one run each, from the causal kernel with no mask.
+
+    Each row is rolled left by its count of leading pads, so that every pad trails: a real
+    token then sees the real tokens before it, at their positions, and no pad. The blocks'
+    output is rolled back before the head.
+    """
+    T = idx.size(1)
+    # Positions count the real tokens only, as padded's do.
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # An all-pad row has no first real token: argmax gives 0, and it is not rolled.
+    lead = attention_mask.int().argmax(1, keepdim=True)  # (B, 1)
+    cols = torch.arange(T, device=idx.device)
+    take = (cols + lead) % T  # (B, T)
+    give_back = (cols - lead) % T  # (B, T)
+    rolled_idx = idx.gather(1, take)
+    rolled_positions = positions.gather(1, take)
+    x = model.body(rolled_idx, rolled_positions)
+    # Only the kept columns are taken back.
+    order = give_back[:, keep_from:, None].expand(-1, -1, x.size(-1))
+    return x.gather(1, order)
+
+
+def under_cuda_bf16_autocast(x):
+    """Whether x is on CUDA under bf16 autocast: the mixed head's case. Elsewhere it is fp32."""
+    cuda_bf16 = x.is_cuda and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    return cuda_bf16 and torch.is_autocast_enabled("cuda")
+
+
+def mixed_logits(x, w):
+    """The logits (..., V) of x (..., C) and the head's w (V, C) by MixedHead: GPT2_HEAD=mixed."""
+    with torch.autocast(x.device.type, enabled=False):
+        logits = MixedHead.apply(x.flatten(0, -2), w)
+        return logits.view(*x.shape[:-1], -1)
 
 
 def mm_fp32(a, b):
@@ -787,7 +862,7 @@ def decode_step(model, s: Decoding):
     attn_mask = s.real[:, None, None, : s.cache.width]  # (B, 1, 1, S)
     # The prefill wrote columns 0..Tq-1; a step writes the one column of its token.
     s.cache.cols = s.col
-    logits = model.body(s.token, s.pos, attn_mask, s.cache)[:, -1]  # (B, V)
+    logits = model.decode(s.token, s.pos, attn_mask, s.cache)  # (B, V)
     s.pos += 1
     s.col += 1
     sample(s, logits)
@@ -1103,7 +1178,7 @@ def logprobs(model, query, response, temperature=1.0, entropy=False, top_k=0, to
         logits = model(inputs, attention_mask, packing=pack(attention_mask, keep))
         targets = trimmed[mask].long()
     else:
-        # Each row's real tokens are one run if the queries are left-padded only (GPT.rolled).
+        # Each row's real tokens are one run if the queries are left-padded only (rolled).
         logits = model(inputs, attention_mask, keep_from=keep_from, contiguous=contiguous)
         logits = logits.flatten(0, 1)  # (B * Tr', V)
         targets = trimmed.flatten().long()
