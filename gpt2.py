@@ -9,6 +9,13 @@ Hugging Face as they are. Beyond nanoGPT's model.py:
 - padding-free training passes: a micro-batch's real tokens packed into one row (pack);
 - scalar heads (reward, value);
 - load and save of plain or FSDP2-sharded models in the HF safetensors layout.
+
+It reads as nanoGPT's model.py first: the config, the blocks, and one forward pass from
+embedding to logits, whose named passes are the packed one that training runs, the padded
+one, and the cached one that decoding runs. Then, each in its section: the packed pass's
+layout; model I/O; log-probs and rewards; generation; the GPU paths off by default; the CPU's
+GEMM routing. Nothing happens at import: the environment's settings (GPT2_HEAD,
+GPT2_ROLL_PADDING, GPT2_CPU_GEMM) are read when a model is built.
 """
 
 import ctypes
@@ -53,6 +60,7 @@ class RunError(SystemExit):
         super().__init__(1)
 
 
+# ---- The model: the config, the blocks, and one forward pass from embedding to logits
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # context length (n_positions)
@@ -82,171 +90,6 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 def sdpa_contexts():
     """checkpoint's contexts: none around the forward, SDPA_BACKENDS around the recomputation."""
     return nullcontext(), sdpa_kernel(SDPA_BACKENDS)
-
-
-def head_mode():
-    """The LM head GPT2_HEAD picks, read and checked when a model is built (GPT.__init__).
-
-    "fp32" (operands, sums and logits), "mixed" (bf16 operands on tensor cores, fp32 sums and
-    logits; CUDA under bf16 autocast only, fp32 elsewhere) or "bf16" (bf16 logits). bf16 logits
-    lose the bits that tell the sampler's log-probs from the trainer's (MiniMax-M1's
-    train/inference mismatch).
-    """
-    head = os.environ.get("GPT2_HEAD", "fp32")
-    # GPT2_FP32_HEAD=0 is the earlier name of GPT2_HEAD=bf16.
-    if os.environ.get("GPT2_FP32_HEAD") == "0":
-        head = "bf16"
-    if head not in ("fp32", "mixed", "bf16"):
-        raise RunError(f"GPT2_HEAD={head}: expected fp32, mixed or bf16")
-    return head
-
-
-def roll_padding_devices():
-    """The device types GPT2_ROLL_PADDING names, read when a model is built: none by default.
-
-    On them, rows padded only before and after their real tokens are rolled so that their pads
-    trail, for the causal kernel with no mask (FlashAttention on GPU). The real tokens' logits are
-    the same up to rounding: attention sums the same keys at other offsets, and the weight
-    gradients sum the rows in another order. CPU runs, where it does not pay, keep the masked path
-    and its bits. Off until a GPU run has measured that it pays (docs/gpu.md):
-    GPT2_ROLL_PADDING=cuda rolls on GPU, =cpu,cuda on both.
-    """
-    return os.environ.get("GPT2_ROLL_PADDING", "none").split(",")
-
-
-# ---- Padding-free passes: the real tokens of a batch, packed into one row
-class Packing(NamedTuple):
-    """Where the real tokens of a padded batch (B, T) sit once packed into one row of N tokens.
-
-    Each row's real tokens stay in order, at their own positions, and attend only to each
-    other: attention is block-diagonal and causal, so no FLOP goes to a pad.
-    """
-
-    tokens: torch.Tensor  # (N,) the real tokens' flat indices into (B, T), row by row
-    positions: torch.Tensor  # (N,) each token's position in its own sequence
-    cu_seqlens: torch.Tensor  # (B + 1,) int32: where each row's tokens start, and the end
-    slots: torch.Tensor  # (N,) each token's place in a (B, max_len) layout whose pads trail
-    keep: torch.Tensor  # (n,) the packed tokens whose outputs the pass returns
-    rows: int  # B
-    max_len: int  # the most real tokens in a row
-
-
-def pack(attention_mask, keep):
-    """The Packing of attention_mask (B, T)'s real tokens; keep (B, T): the outputs wanted.
-
-    Every kept position must be a real token: a pad has no place in the packed row.
-    """
-    real = attention_mask.bool()
-    keep = keep.bool()
-    lengths = real.sum(1)  # (B,)
-    # One host sync: the longest row, and whether any kept position is a pad.
-    stats = torch.stack([lengths.max(), (keep & ~real).any()]).tolist()
-    if stats[1]:
-        raise ValueError("pack: a kept position is padding; only real tokens have outputs")
-    max_len = max(1, stats[0])
-    # Positions count the real tokens only, as forward's do.
-    positions = real.long().cumsum(1) - 1  # (B, T)
-    tokens = real.flatten().nonzero().squeeze(1)  # (N,)
-    token_positions = positions.flatten()[tokens]  # (N,)
-    row = tokens // real.size(1)
-    slots = row * max_len + token_positions
-    keep = keep.flatten()[tokens].nonzero().squeeze(1)  # (n,)
-    return Packing(
-        tokens=tokens,
-        positions=token_positions,
-        cu_seqlens=F.pad(lengths.cumsum(0), (1, 0)).int(),
-        slots=slots,
-        keep=keep,
-        rows=real.size(0),
-        max_len=max_len,
-    )
-
-
-def unpack(values, keep):
-    """pack's kept outputs (n, ...) back in keep (B, T)'s layout: (B, T, ...), 0 elsewhere."""
-    out = values.new_zeros(keep.shape + values.shape[1:])
-    out[keep] = values
-    return out
-
-
-def packed_attention(q, k, v, n_head, packing):
-    """Causal attention within each sequence of a packed row: q, k, v (1, N, C) -> (1, N, C).
-
-    On CUDA in bf16 or fp16: FlashAttention's variable-length kernel. Elsewhere the sequences
-    are laid out (B, max_len) with their pads trailing, for the causal kernel with no mask: a
-    real token sees only the real tokens before it. Its cost is that of the longest row.
-    """
-    N, C = q.shape[1:]
-    q = q.view(N, n_head, C // n_head)  # (N, H, hd)
-    k = k.view(N, n_head, C // n_head)
-    v = v.view(N, n_head, C // n_head)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        cu = packing.cu_seqlens
-        L = packing.max_len
-        # window_size (-1, 0): causal.
-        y = varlen_attn(q, k, v, cu, cu, L, L, window_size=(-1, 0))
-        return y.reshape(1, N, C)
-    y = F.scaled_dot_product_attention(
-        pads_trailing(q, packing),
-        pads_trailing(k, packing),
-        pads_trailing(v, packing),
-        is_causal=True,
-    )  # (B, H, L, hd)
-    y = y.transpose(1, 2).reshape(packing.rows * packing.max_len, C)
-    return y[packing.slots][None]
-
-
-def pads_trailing(x, packing):
-    """Packed x (N, H, hd) -> (B, H, L, hd): each sequence from column 0, zeros after it."""
-    B = packing.rows
-    L = packing.max_len
-    H, hd = x.shape[1:]
-    rows = x.new_zeros(B * L, H, hd).index_copy(0, packing.slots, x)
-    return rows.view(B, L, H, hd).transpose(1, 2)
-
-
-# ---- Model
-class KVCache:
-    """Every layer's keys and values, (B, H, S, hd) each, in the compute dtype.
-
-    S is fixed for a whole generation, so a decode step has the same shapes and addresses at
-    every token. cols (T,) is a device tensor of the columns the next forward writes, updated in
-    place; width is how many columns attention reads. One tensor per layer and kind, written in
-    place (not views of one buffer), so that torch.compile updates them without copies.
-    """
-
-    def __init__(self, n_layer, size):
-        self.n_layer = n_layer
-        self.size = size
-        self.width = size
-        self.cols = None
-        self.keys = []
-        self.values = []
-
-    def update(self, layer, k, v):
-        """Store k, v (B, H, T, hd) at columns cols; return the keys and values of width columns."""
-        if not self.keys:
-            B, H, _, hd = k.shape
-            # Zeros, not garbage: unwritten columns are masked, and 0 * NaN would be NaN.
-            self.keys = [k.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
-            self.values = [v.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
-        self.keys[layer].index_copy_(2, self.cols, k)
-        self.values[layer].index_copy_(2, self.cols, v)
-        keys = self.keys[layer][:, :, : self.width]
-        values = self.values[layer][:, :, : self.width]
-        return keys, values
-
-    def repeat_rows(self, prefix, repeats):
-        """Fill every column from prefix, a cache of B / repeats rows: each of its rows fills
-        `repeats` rows in a row. In place where the tensors exist (a CUDA graph reads them)."""
-        keys = [k.repeat_interleave(repeats, 0) for k in prefix.keys]
-        values = [v.repeat_interleave(repeats, 0) for v in prefix.values]
-        if not self.keys:
-            self.keys = keys
-            self.values = values
-            return
-        for mine, new in zip(self.keys + self.values, keys + values):
-            mine.copy_(new)
 
 
 def matmul(x, w, b=None, out_in=False):
@@ -376,10 +219,11 @@ class GPT(nn.Module):
         contiguous=False,
         packing=None,
     ):
-        """The logits (B, T', V), or hidden states (B, T', C), of positions keep_from.. of idx.
+        """The logits (B, T', V), or if hidden the hidden states (B, T', C), of positions
+        keep_from.. of idx (B, T).
 
-        idx (B, T): tokens. attention_mask (B, T): 1 for a real token, 0 for padding; None: no
-        padding. The arguments pick one of three passes, each a method below:
+        attention_mask (B, T): 1 for a real token, 0 for padding; None: no padding. The
+        arguments pick the pass, each a method below:
         - packing, pack()'s Packing of attention_mask: `packed`, the real tokens only, in one
           row; it returns the kept ones' logits (n, V) or hidden states (n, C). The scripts
           train through it by default (--packing): gpt2.logprobs in sft.py, dpo.py
@@ -387,11 +231,11 @@ class GPT(nn.Module):
           ppo.py and grpo.py; ppo.py's values (forward_values).
         - kv_cache, a KVCache: `prefill`, the padded pass that starts gpt2.generate, whose keys
           and values fill the cache's columns 0..T-1; `decode` then feeds one token per row.
-          ppo.py and grpo.py sample their rollouts this way; reward.py its normalisation's
-          responses, and data's accuracy evaluations their answers.
-        - otherwise `padded`, with attention_mask's mask, or with none and the causal kernel:
-          logprobs' and get_reward's batches with no padding (or whose padding cannot be
-          packed), and every training pass under --no_packing.
+          ppo.py and grpo.py sample their rollouts this way, reward.py the responses it
+          normalises its rewards on, and data's accuracy evaluations their answers.
+        - otherwise `padded`: masked, or with no mask the causal kernel. It takes batches with
+          no padding, queries with a pad between real tokens, and every training pass under
+          --no_packing.
         A mask is always used as given: whether every token is real is the callers' to say (it
         takes a host sync, which they already make in _trim). contiguous: the caller has
         checked that each row's real tokens are one run, padding only before and after it, so
@@ -406,7 +250,7 @@ class GPT(nn.Module):
         elif kv_cache is not None:
             x = self.prefill(idx, attention_mask, kv_cache)[:, keep_from:]
         elif contiguous and rolls_padding(self, idx, attention_mask):
-            # Off by default: the section on GPU paths, at the end of the file.
+            # GPT2_ROLL_PADDING, off by default: the section of GPU paths (docs/gpu.md).
             x = rolled(self, idx, attention_mask, keep_from)
         else:
             x = self.padded(idx, attention_mask)[:, keep_from:]
@@ -450,8 +294,8 @@ class GPT(nn.Module):
 
     def decode(self, token, positions, attn_mask, kv_cache):
         """The logits (B, V) after one token per row, token (B, 1) at positions (B, 1): a decode
-        step. Its keys and values go to kv_cache's columns cols; attn_mask (B, 1, 1, S) marks the
-        real ones among the columns attention reads."""
+        step (decode_step). The token's keys and values go to the cache's columns kv_cache.cols;
+        attn_mask (B, 1, 1, S) marks which columns attention reads hold a real token."""
         x = self.body(token, positions, attn_mask, kv_cache)  # (B, 1, C)
         return self.head(x)[:, -1]
 
@@ -504,96 +348,10 @@ class GPT(nn.Module):
         if not self.fp32_head:
             return self.gemm(x, w, out_in=True)
         if self.mixed_head and under_cuda_bf16_autocast(x):
-            # Off by default: the section on GPU paths, at the end of the file.
+            # GPT2_HEAD=mixed, off by default: the section of GPU paths (docs/gpu.md).
             return mixed_logits(x, w)
         with torch.autocast(x.device.type, enabled=False):
             return self.gemm(x.float(), w.float(), out_in=True)
-
-
-def rolls_padding(model, idx, attention_mask):
-    """Whether forward rolls rows of idx (rolled): a mask to roll by, on a device that
-    GPT2_ROLL_PADDING names (model.roll_padding)."""
-    return attention_mask is not None and idx.device.type in model.roll_padding
-
-
-def rolled(model, idx, attention_mask, keep_from):
-    """forward's blocks' output (B, T', C) at columns keep_from.. of rows whose real tokens are
-    one run each, from the causal kernel with no mask.
-
-    Each row is rolled left by its count of leading pads, so that every pad trails: a real
-    token then sees the real tokens before it, at their positions, and no pad. The blocks'
-    output is rolled back before the head.
-    """
-    T = idx.size(1)
-    # Positions count the real tokens only, as padded's do.
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    # An all-pad row has no first real token: argmax gives 0, and it is not rolled.
-    lead = attention_mask.int().argmax(1, keepdim=True)  # (B, 1)
-    cols = torch.arange(T, device=idx.device)
-    take = (cols + lead) % T  # (B, T)
-    give_back = (cols - lead) % T  # (B, T)
-    rolled_idx = idx.gather(1, take)
-    rolled_positions = positions.gather(1, take)
-    x = model.body(rolled_idx, rolled_positions)
-    # Only the kept columns are taken back.
-    order = give_back[:, keep_from:, None].expand(-1, -1, x.size(-1))
-    return x.gather(1, order)
-
-
-def under_cuda_bf16_autocast(x):
-    """Whether x is on CUDA under bf16 autocast: the mixed head's case. Elsewhere it is fp32."""
-    cuda_bf16 = x.is_cuda and torch.get_autocast_dtype("cuda") == torch.bfloat16
-    return cuda_bf16 and torch.is_autocast_enabled("cuda")
-
-
-def mixed_logits(x, w):
-    """The logits (..., V) of x (..., C) and the head's w (V, C) by MixedHead: GPT2_HEAD=mixed."""
-    with torch.autocast(x.device.type, enabled=False):
-        logits = MixedHead.apply(x.flatten(0, -2), w)
-        return logits.view(*x.shape[:-1], -1)
-
-
-def mm_fp32(a, b):
-    """a @ b of bf16 operands, summed and returned in fp32: tensor cores on CUDA.
-
-    No CPU kernel has this signature; on CPU (the tests) the operands widened to fp32 give the
-    same product.
-    """
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
-
-
-class MixedHead(torch.autograd.Function):
-    """x (N, C) @ w (V, C).T from bf16 operands, with fp32 sums and logits: GPT2_HEAD=mixed.
-
-    The operands' rounding is the same for the sampler and the trainer; the fp32 logits keep the
-    bits that bf16 logits would lose. Inside the GEMMs w has zero rows up to a multiple of 128,
-    which keeps them on aligned tensor-core tiles; the logits are sliced back to V.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w):
-        V, C = w.shape
-        w_bf16 = w.new_zeros(V + -V % 128, C, dtype=torch.bfloat16)
-        w_bf16[:V] = w
-        x_bf16 = x.to(torch.bfloat16)
-        ctx.save_for_backward(x_bf16, w_bf16)
-        return mm_fp32(x_bf16, w_bf16.t())[:, :V]
-
-    @staticmethod
-    def backward(ctx, g):  # g (N, V) fp32
-        x_bf16, w_bf16 = ctx.saved_tensors
-        V = g.size(1)
-        # The gradient in bf16, with zero columns for w's zero rows.
-        g_bf16 = F.pad(g.to(torch.bfloat16), (0, len(w_bf16) - V))
-        gx = None
-        gw = None
-        if ctx.needs_input_grad[0]:
-            gx = mm_fp32(g_bf16, w_bf16)
-        if ctx.needs_input_grad[1]:
-            gw = mm_fp32(g_bf16.t(), x_bf16)[:V]
-        return gx, gw
 
 
 class ScalarModel(GPT):
@@ -634,23 +392,307 @@ class ScalarModel(GPT):
             return score * self.reward_gain + self.reward_bias
 
 
-def get_reward(model, query, response, pad_token_id, eos_token_id):
-    """Rewards (B,) of queries + responses: the score at each response's stop token (or last)."""
-    mask = response_mask(response, eos_token_id)  # (B, Tr)
-    query_response = torch.cat([query, response], 1)
-    attention_mask = torch.cat([query != pad_token_id, mask], 1)
-    last = mask.sum(1, keepdim=True) - 1  # (B, 1)
-    # Packed where there is padding to skip (one host sync).
-    if model.packing and not attention_mask.all():
-        # Only the last real token of each row is scored: the packed pass returns (B,).
-        at_last = torch.zeros_like(mask).scatter_(1, last, True)
-        keep = torch.cat([torch.zeros_like(query, dtype=torch.bool), at_last], 1)
-        return model(query_response, attention_mask, packing=pack(attention_mask, keep))
-    scores = model(query_response, attention_mask, keep_from=query.size(1))  # (B, Tr)
-    return scores.gather(1, last).squeeze(1)
+def head_mode():
+    """The LM head GPT2_HEAD picks, read and checked when a model is built (GPT.__init__).
+
+    "fp32" (operands, sums and logits), "mixed" (bf16 operands on tensor cores, fp32 sums and
+    logits; CUDA under bf16 autocast only, fp32 elsewhere) or "bf16" (bf16 logits). bf16 logits
+    lose the bits that tell the sampler's log-probs from the trainer's (MiniMax-M1's
+    train/inference mismatch).
+    """
+    head = os.environ.get("GPT2_HEAD", "fp32")
+    # GPT2_FP32_HEAD=0 is the earlier name of GPT2_HEAD=bf16.
+    if os.environ.get("GPT2_FP32_HEAD") == "0":
+        head = "bf16"
+    if head not in ("fp32", "mixed", "bf16"):
+        raise RunError(f"GPT2_HEAD={head}: expected fp32, mixed or bf16")
+    return head
 
 
-# ---- Generation, its masks, and the log-probs of given responses (for training)
+# ---- The packed pass's layout: the real tokens of a batch, in one row
+class Packing(NamedTuple):
+    """Where the real tokens of a padded batch (B, T) sit once packed into one row of N tokens.
+
+    Each row's real tokens stay in order, at their own positions, and attend only to each
+    other: attention is block-diagonal and causal, so no FLOP goes to a pad.
+    """
+
+    tokens: torch.Tensor  # (N,) the real tokens' flat indices into (B, T), row by row
+    positions: torch.Tensor  # (N,) each token's position in its own sequence
+    cu_seqlens: torch.Tensor  # (B + 1,) int32: where each row's tokens start, and the end
+    slots: torch.Tensor  # (N,) each token's place in a (B, max_len) layout whose pads trail
+    keep: torch.Tensor  # (n,) the packed tokens whose outputs the pass returns
+    rows: int  # B
+    max_len: int  # the most real tokens in a row
+
+
+def pack(attention_mask, keep):
+    """The Packing of attention_mask (B, T)'s real tokens; keep (B, T): the outputs wanted.
+
+    Every kept position must be a real token: a pad has no place in the packed row.
+    """
+    real = attention_mask.bool()
+    keep = keep.bool()
+    lengths = real.sum(1)  # (B,)
+    # One host sync: the longest row, and whether any kept position is a pad.
+    stats = torch.stack([lengths.max(), (keep & ~real).any()]).tolist()
+    if stats[1]:
+        raise ValueError("pack: a kept position is padding; only real tokens have outputs")
+    max_len = max(1, stats[0])
+    # Positions count the real tokens only, as forward's do.
+    positions = real.long().cumsum(1) - 1  # (B, T)
+    tokens = real.flatten().nonzero().squeeze(1)  # (N,)
+    token_positions = positions.flatten()[tokens]  # (N,)
+    row = tokens // real.size(1)
+    slots = row * max_len + token_positions
+    keep = keep.flatten()[tokens].nonzero().squeeze(1)  # (n,)
+    return Packing(
+        tokens=tokens,
+        positions=token_positions,
+        cu_seqlens=F.pad(lengths.cumsum(0), (1, 0)).int(),
+        slots=slots,
+        keep=keep,
+        rows=real.size(0),
+        max_len=max_len,
+    )
+
+
+def unpack(values, keep):
+    """pack's kept outputs (n, ...) back in keep (B, T)'s layout: (B, T, ...), 0 elsewhere."""
+    out = values.new_zeros(keep.shape + values.shape[1:])
+    out[keep] = values
+    return out
+
+
+def packed_attention(q, k, v, n_head, packing):
+    """Causal attention within each sequence of a packed row: q, k, v (1, N, C) -> (1, N, C).
+
+    On CUDA in bf16 or fp16: FlashAttention's variable-length kernel. Elsewhere the sequences
+    are laid out (B, max_len) with their pads trailing, for the causal kernel with no mask: a
+    real token sees only the real tokens before it. Its cost is that of the longest row.
+    """
+    N, C = q.shape[1:]
+    q = q.view(N, n_head, C // n_head)  # (N, H, hd)
+    k = k.view(N, n_head, C // n_head)
+    v = v.view(N, n_head, C // n_head)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        cu = packing.cu_seqlens
+        L = packing.max_len
+        # window_size (-1, 0): causal.
+        y = varlen_attn(q, k, v, cu, cu, L, L, window_size=(-1, 0))
+        return y.reshape(1, N, C)
+    y = F.scaled_dot_product_attention(
+        pads_trailing(q, packing),
+        pads_trailing(k, packing),
+        pads_trailing(v, packing),
+        is_causal=True,
+    )  # (B, H, L, hd)
+    y = y.transpose(1, 2).reshape(packing.rows * packing.max_len, C)
+    return y[packing.slots][None]
+
+
+def pads_trailing(x, packing):
+    """Packed x (N, H, hd) -> (B, H, L, hd): each sequence from column 0, zeros after it."""
+    B = packing.rows
+    L = packing.max_len
+    H, hd = x.shape[1:]
+    rows = x.new_zeros(B * L, H, hd).index_copy(0, packing.slots, x)
+    return rows.view(B, L, H, hd).transpose(1, 2)
+
+
+# ---- Model I/O in the Hugging Face GPT-2 safetensors layout
+# lm_head is wte: it is not saved, and is loaded from wte.
+TIED = {"lm_head.weight": "transformer.wte.weight"}
+
+
+def load(name, tokenizer=None, head=None, shard=None):
+    """A model by name: `tiny` (random init), a GPT-2 preset, or a checkpoint dir or file.
+
+    A preset is GPT-2's pretrained weights, downloaded once per node; a checkpoint is ours or
+    HF's. tokenizer: the data's meta (vocab_size, stop and pad ids). head: None (a GPT), "new" or
+    "saved" (a ScalarModel). shard: the script's FSDP2 wrapper (model -> model), under which rank
+    0 alone reads (or inits) the weights and broadcasts them into every shard.
+    """
+    rank = None
+    if shard and dist.is_initialized():
+        rank = dist.get_rank()
+    if rank:
+        # No weights read: a model of the header's shapes, on the meta device.
+        with torch.device("meta"):
+            model = _build(name, tokenizer or {}, head, shapes_only=True)
+    else:
+        model = _build(name, tokenizer or {}, head, shapes_only=False)
+    if rank is None:
+        return shard(model) if shard else model
+    # Rank 0's full weights, kept past sharding.
+    state = {} if rank else model.state_dict()
+    model = shard(model)
+    if rank:
+        # Storage for the shards, in place: the tied wte and lm_head stay one parameter.
+        device_type = next(model.parameters()).device_mesh.device_type
+        model.to_empty(device=device_type)
+    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dcp.set_model_state_dict(model, state, options=options)
+    return model
+
+
+def _build(name, tok, head, shapes_only):
+    """load()'s model, as one process builds it."""
+    tensors = {}
+    config = {}
+    if name == "tiny":
+        model = GPT(GPTConfig(**PRESETS["tiny"], vocab_size=tok["vocab_size"]))
+    else:
+        tensors, config = _read(name, shapes_only)
+        # Ours or HF's names: HF's have no "transformer." prefix.
+        sd = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+        if "wte.weight" not in sd:
+            raise RunError(f"'{name}' is not a GPT-2 checkpoint (no wte.weight)")
+        # The sizes are read from the weights' shapes.
+        rows, n_embd = sd["wte.weight"].shape
+        n_positions = sd["wpe.weight"].shape[0]
+        n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
+        # Every GPT-2 size has 64-wide heads.
+        n_head = config.get("n_head", n_embd // 64)
+        cfg = GPTConfig(
+            block_size=n_positions, vocab_size=rows, n_layer=n_layer, n_head=n_head, n_embd=n_embd
+        )
+        model = GPT(cfg)
+        state = {}
+        for key in model.state_dict():
+            saved_key = TIED.get(key, key).removeprefix("transformer.")
+            state[key] = sd[saved_key]
+        model.load_state_dict(state)
+        # The embedding may have padding rows past the tokenizer's vocabulary, up to the next
+        # multiple of 128.
+        vocab = tok.get("vocab_size", rows)
+        padded_vocab = -(-vocab // 128) * 128
+        if not vocab <= rows <= padded_vocab:
+            raise RunError(
+                f"'{name}' has a {rows}-token vocabulary, the data's tokenizer {vocab}: prep it"
+                " with the model's (data.prep --tokenizer) or pass another model"
+            )
+    model.n_logits = tok.get("vocab_size", model.n_logits)
+    # The stop and pad ids: the data's, else the checkpoint's, else GPT-2's.
+    for key in ("eos_token_id", "pad_token_id"):
+        default = config.get(key, getattr(model.config, key))
+        setattr(model.config, key, tok.get(key, default))
+    if head == "saved" and "score.weight" not in tensors:
+        raise RunError(f"'{name}' has no reward head (score.*): pass a model written by reward.py")
+    if head is not None:
+        gain = config.get("reward_gain", 1.0)
+        bias = config.get("reward_bias", 0.0)
+        model = ScalarModel(model, gain, bias)
+    if head == "saved":
+        score = {k: tensors[f"score.{k}"] for k in ("weight", "bias")}
+        model.score.load_state_dict(score)
+    return model
+
+
+def save(model, out_dir, optimizer=None):
+    """model.safetensors, config.json (HF layout), optimizer.pt if given; all ranks call it."""
+    # The full state, gathered on rank 0 in CPU memory.
+    full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = dcp.get_model_state_dict(model, options=full)
+    optim = None
+    if optimizer:
+        optim = dcp.get_optimizer_state_dict(model, optimizer, options=full)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in TIED}
+    # Our config in Hugging Face's GPT2Config names, so that transformers loads the dir.
+    config = asdict(model.config)
+    block_size = config.pop("block_size")
+    config["n_positions"] = block_size
+    config["n_ctx"] = block_size
+    config.update(
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        architectures=["GPT2LMHeadModel"],
+        model_type="gpt2",
+        tie_word_embeddings=True,
+        activation_function="gelu_new",
+        bos_token_id=config["eos_token_id"],
+    )
+    if isinstance(model, ScalarModel):
+        config["reward_gain"] = model.reward_gain
+        config["reward_bias"] = model.reward_bias
+    os.makedirs(out_dir, exist_ok=True)
+    weights_path = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if optimizer:
+        torch.save(optim, os.path.join(out_dir, "optimizer.pt"))
+
+
+def load_weights(model, path, optimizer=None):
+    """Load what `save` wrote, plain or FSDP2; optimizer.pt mmapped, so a node shares its pages."""
+    tensors, config = _read(path)
+    state = {k: tensors[TIED.get(k, k)] for k in model.state_dict()}
+    # Under FSDP2, each rank takes its shards from the full tensors.
+    options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
+    dcp.set_model_state_dict(model, state, options=options)
+    if optimizer:
+        optimizer_path = os.path.join(path, "optimizer.pt")
+        optim = torch.load(optimizer_path, weights_only=True, mmap=True)
+        dcp.set_optimizer_state_dict(model, optimizer, optim, options=options)
+    if isinstance(model, ScalarModel):
+        model.reward_gain = config["reward_gain"]
+        model.reward_bias = config["reward_bias"]
+
+
+def _read(name, shapes_only=False):
+    """(tensors, config dict) of a checkpoint: model.safetensors and the config.json beside it."""
+    path = _resolve(name)
+    try:
+        if shapes_only:
+            # The header alone: meta tensors of the saved shapes.
+            f = safe_open(path, "pt")
+            tensors = {}
+            for k in f.keys():
+                shape = f.get_slice(k).get_shape()
+                tensors[k] = torch.empty(shape, device="meta")
+        else:
+            tensors = load_file(path)
+    # safetensors raises several kinds of error on a truncated or foreign file.
+    except Exception as e:
+        raise RunError(f"cannot read '{path}' ({e}): it is damaged; save it again") from None
+    config_path = os.path.join(os.path.dirname(path), "config.json")
+    config = {}
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+    return tensors, config
+
+
+def _resolve(name):
+    """A .safetensors file, its directory, or a preset's weights (local rank 0 downloads them)."""
+    path = name
+    if os.path.isdir(name):
+        path = os.path.join(name, "model.safetensors")
+    if os.path.isfile(path):
+        return path
+    if name not in PRESETS or name == "tiny":
+        raise RunError(f"no checkpoint at '{name}': pass a model.safetensors or its directory")
+    cache = os.path.expanduser(os.environ.get("GPT2_CACHE", "~/.cache/gpt2_rlhf"))
+    path = os.path.join(cache, f"{name}.safetensors")
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isfile(path):
+        os.makedirs(cache, exist_ok=True)
+        url = f"https://huggingface.co/{name}/resolve/main/model.safetensors"
+        # To a temporary file, then renamed: nodes may share the cache directory.
+        try:
+            torch.hub.download_url_to_file(url, path, progress=False)
+        except OSError as e:
+            raise RunError(f"could not download {url} ({e}); offline, pass its directory") from None
+    # The node's other ranks wait for its local rank 0.
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+# ---- Log-probs of given responses, with their hand-written backward; rewards
 def response_mask(response, eos_token_id):
     """(B, T) bool: the response tokens up to and including the first stop token."""
     stops = (response == eos_token_id).int()
@@ -689,6 +731,234 @@ def _trim(query, response, pad_token_id, eos_token_id=None):
     if eos_token_id is None:
         return query, response, bool(stats[1]), contiguous
     return query, response[:, : stats[3]], bool(stats[1] and stats[4]), contiguous
+
+
+def trained_logits(x, y, t, top_k=0, top_p=1.0):
+    """fp32 logits x (n, V) / t, -inf outside the tokens top_k and top_p keep and target y (n,)
+    keeps; and that set (n, V) bool, or None when both are off.
+
+    The set is generate's (kept_tokens) plus the target: the sampler drew y from its own set,
+    but pi_theta, a step or a rounding away, may rank y just outside its own, where its
+    log-prob would be -inf and the loss NaN. The set is a selection made from the values of
+    the logits: no gradient flows through it.
+    """
+    scaled = x.float() / t
+    if top_k == 0 and top_p == 1.0:
+        return scaled, None
+    kept = kept_tokens(scaled.detach(), top_k, top_p)
+    kept = kept.scatter(1, y[:, None], True)
+    return scaled.masked_fill(~kept, -math.inf), kept
+
+
+def chunk_logprobs(x, y, t, with_entropy, top_k=0, top_p=1.0):
+    """log_softmax(x / t) of logits x (n, V) at targets y (n,); the entropy (n,) or None.
+
+    with_entropy "collision": Renyi's entropy of order 2, -log sum_v p_v^2, in place of Shannon's.
+    With top_k or top_p, all are of the distribution renormalised over trained_logits' set.
+    """
+    # generate's formula, so the same bits.
+    scaled, kept = trained_logits(x, y, t, top_k, top_p)
+    logp = scaled.log_softmax(-1)
+    token_logp = logp.gather(1, y[:, None]).squeeze(1)
+    if not with_entropy:
+        return token_logp, None
+    if with_entropy == "collision":
+        # WPO's weight alignment; a filtered token's 2 log p is -inf, and counts nothing.
+        return token_logp, -torch.logsumexp(2 * logp, -1)
+    if kept is None:
+        return token_logp, -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    # 0 log 0 = 0 at the filtered tokens, not 0 x -inf.
+    logp = logp.masked_fill(~kept, 0)
+    return token_logp, -(p * logp).sum(-1)
+
+
+def chunk_grad(x, y, t, g, g_entropy, top_k=0, top_p=1.0):
+    """chunk_logprobs' gradient in x (n, V), for the weights g (n, 1) and g_entropy or None."""
+    scaled, kept = trained_logits(x, y, t, top_k, top_p)
+    logp = scaled.log_softmax(-1)
+    p = logp.exp()
+    # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t, over the kept tokens:
+    # a filtered token has p = 0, and so no gradient.
+    dx = p * -g
+    if g_entropy is not None:
+        if kept is not None:
+            # 0 log 0 = 0 at the filtered tokens, not 0 x -inf.
+            logp = logp.masked_fill(~kept, 0)
+        h = -(p * logp).sum(-1, keepdim=True)
+        dx -= g_entropy * p * (logp + h)
+    return dx.scatter_add_(1, y[:, None], g).div_(t)
+
+
+@functools.cache
+def compiled(fn):
+    """fn under torch.compile, made at its first use. On CUDA a chunk's many passes over the
+    logits fuse into a few kernels; CPU runs the plain functions, and keeps their bits."""
+    return torch.compile(fn, dynamic=True)
+
+
+class TokenLogProbs(torch.autograd.Function):
+    """log_softmax(logits / t) (N, V) at targets (N,) and, if asked, the entropy (N,); with
+    top_k or top_p, over the tokens they keep (trained_logits).
+
+    It takes CHUNK logits at a time. Backward writes the gradient over the saved logits, so they
+    must be a temporary that nothing else reads.
+    """
+
+    # Rows are taken CHUNK // V at a time, so that the chunks' fp32 temporaries stay small.
+    CHUNK = 1 << 24
+
+    @staticmethod
+    def forward(ctx, logits, target, t, with_entropy, top_k=0, top_p=1.0):
+        ctx.save_for_backward(logits, target)
+        # An entropy that is only logged gets None in backward, and no gradient work.
+        ctx.set_materialize_grads(False)
+        ctx.t = t
+        ctx.top_k = top_k
+        ctx.top_p = top_p
+        ctx.with_entropy = with_entropy
+        ctx.n = max(1, TokenLogProbs.CHUNK // logits.size(1))
+        forward = compiled(chunk_logprobs) if logits.is_cuda else chunk_logprobs
+        out = []
+        entropy = []
+        for x, y in zip(logits.split(ctx.n), target.split(ctx.n)):
+            token_logp, token_entropy = forward(x, y, t, with_entropy, top_k, top_p)
+            out.append(token_logp)
+            entropy.append(token_entropy)
+        if not with_entropy:
+            return torch.cat(out), None
+        return torch.cat(out), torch.cat(entropy)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, grad_entropy):
+        logits, target = ctx.saved_tensors
+        n = ctx.n
+        if grad_entropy is not None and ctx.with_entropy == "collision":
+            raise RuntimeError("the collision entropy has no gradient here: use it detached")
+        if grad is None:
+            grad = torch.zeros(len(target), device=logits.device)
+        gradient = compiled(chunk_grad) if logits.is_cuda else chunk_grad
+        for i, (x, y) in enumerate(zip(logits.split(n), target.split(n))):
+            rows = slice(i * n, (i + 1) * n)
+            g_entropy = None
+            if grad_entropy is not None:
+                g_entropy = grad_entropy[rows, None]
+            g = grad[rows, None]
+            x.copy_(gradient(x, y, ctx.t, g, g_entropy, ctx.top_k, ctx.top_p))
+        return logits, None, None, None, None, None
+
+
+def logprobs(model, query, response, temperature=1.0, entropy=False, top_k=0, top_p=1.0):
+    """Log-probs (B, Tr) fp32 of the responses' tokens after left-padded queries.
+
+    They are under logits / temperature, as generate samples them; with them comes the entropy
+    (B, Tr) if asked (entropy="collision": -log sum_v p_v^2, not differentiable), else None.
+    Both are 0 past each row's stop. The pad and stop ids are model.config's. The logits are
+    the one (B, Tr, V) tensor made. top_k and top_p (off: 0 and 1): both are those of the
+    distribution renormalised over the tokens generate's filter keeps, and the target
+    (trained_logits), so that a policy's ratio compares pi_theta and pi_old on the one
+    distribution the sampler drew from (trl#6789: a ratio whose two log-probs are normalised
+    over different sets carries the log of the kept mass).
+    """
+    pad = model.config.pad_token_id
+    eos = model.config.eos_token_id
+    # Only the columns that matter: no shared left padding, nothing past the last stop.
+    query, trimmed, unpadded, contiguous = _trim(query, response, pad, eos)
+    mask = response_mask(trimmed, eos)  # (B, Tr')
+    # Token t + 1 is predicted at position t.
+    inputs = torch.cat([query, trimmed[:, :-1]], 1)
+    # With no padding, no mask: the causal kernel (FlashAttention on GPU).
+    attention_mask = None
+    if not unpadded:
+        attention_mask = torch.cat([query != pad, mask[:, :-1]], 1)
+    keep_from = query.size(1) - 1
+    # Greedy's log-probs (temperature 0) are those of the logits, as in generate.
+    t = temperature or 1.0
+    packed = model.packing and attention_mask is not None and contiguous
+    if packed:
+        # The real tokens only; logits (n, V) at the n real response tokens.
+        keep = torch.cat([torch.zeros_like(query[:, 1:], dtype=torch.bool), mask], 1)
+        logits = model(inputs, attention_mask, packing=pack(attention_mask, keep))
+        targets = trimmed[mask].long()
+    else:
+        # Each row's real tokens are one run if the queries are left-padded only (rolled).
+        logits = model(inputs, attention_mask, keep_from=keep_from, contiguous=contiguous)
+        logits = logits.flatten(0, 1)  # (B * Tr', V)
+        targets = trimmed.flatten().long()
+    token_logp, token_entropy = TokenLogProbs.apply(logits, targets, t, entropy, top_k, top_p)
+
+    def as_response(x):
+        """(B * Tr',) or (n,) -> (B, Tr): 0 past each row's stop and in the columns trimmed off."""
+        if packed:
+            x = unpack(x, mask)
+        else:
+            x = x.view_as(mask).masked_fill(~mask, 0)
+        return F.pad(x, (0, response.size(1) - mask.size(1)))
+
+    if token_entropy is None:
+        return as_response(token_logp), None
+    return as_response(token_logp), as_response(token_entropy)
+
+
+def get_reward(model, query, response, pad_token_id, eos_token_id):
+    """Rewards (B,) of queries + responses: the score at each response's stop token (or last)."""
+    mask = response_mask(response, eos_token_id)  # (B, Tr)
+    query_response = torch.cat([query, response], 1)
+    attention_mask = torch.cat([query != pad_token_id, mask], 1)
+    last = mask.sum(1, keepdim=True) - 1  # (B, 1)
+    # Packed where there is padding to skip (one host sync).
+    if model.packing and not attention_mask.all():
+        # Only the last real token of each row is scored: the packed pass returns (B,).
+        at_last = torch.zeros_like(mask).scatter_(1, last, True)
+        keep = torch.cat([torch.zeros_like(query, dtype=torch.bool), at_last], 1)
+        return model(query_response, attention_mask, packing=pack(attention_mask, keep))
+    scores = model(query_response, attention_mask, keep_from=query.size(1))  # (B, Tr)
+    return scores.gather(1, last).squeeze(1)
+
+
+# ---- Generation: the fixed-shape decode step, the KV cache and the CUDA graph
+class KVCache:
+    """Every layer's keys and values, (B, H, S, hd) each, in the compute dtype.
+
+    S is fixed for a whole generation, so a decode step has the same shapes and addresses at
+    every token. cols (T,) is a device tensor of the columns the next forward writes, updated in
+    place; width is how many columns attention reads. One tensor per layer and kind, written in
+    place (not views of one buffer), so that torch.compile updates them without copies.
+    """
+
+    def __init__(self, n_layer, size):
+        self.n_layer = n_layer
+        self.size = size
+        self.width = size
+        self.cols = None
+        self.keys = []
+        self.values = []
+
+    def update(self, layer, k, v):
+        """Store k, v (B, H, T, hd) at columns cols; return the keys and values of width columns."""
+        if not self.keys:
+            B, H, _, hd = k.shape
+            # Zeros, not garbage: unwritten columns are masked, and 0 * NaN would be NaN.
+            self.keys = [k.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
+            self.values = [v.new_zeros(B, H, self.size, hd) for _ in range(self.n_layer)]
+        self.keys[layer].index_copy_(2, self.cols, k)
+        self.values[layer].index_copy_(2, self.cols, v)
+        keys = self.keys[layer][:, :, : self.width]
+        values = self.values[layer][:, :, : self.width]
+        return keys, values
+
+    def repeat_rows(self, prefix, repeats):
+        """Fill every column from prefix, a cache of B / repeats rows: each of its rows fills
+        `repeats` rows in a row. In place where the tensors exist (a CUDA graph reads them)."""
+        keys = [k.repeat_interleave(repeats, 0) for k in prefix.keys]
+        values = [v.repeat_interleave(repeats, 0) for v in prefix.values]
+        if not self.keys:
+            self.keys = keys
+            self.values = values
+            return
+        for mine, new in zip(self.keys + self.values, keys + values):
+            mine.copy_(new)
 
 
 @contextmanager
@@ -996,7 +1266,7 @@ def generate(
         else:
             # One row per group through the model, then its keys, values and logits copied.
             # A row's results do not depend on the batch's other rows, but for round-off where
-            # the GEMM library picks its kernel by the row count (gpt2.matmul's oneDNN).
+            # the GEMM library picks its kernel by the row count (cpu_matmul's oneDNN).
             prefix = KVCache(model.config.n_layer, size)
             if attention_mask is not None:
                 attention_mask = attention_mask[::group_size]
@@ -1029,364 +1299,106 @@ def generate(
     return Rollout(query=query, response=response, mask=mask, logprobs=logprobs)
 
 
-def trained_logits(x, y, t, top_k=0, top_p=1.0):
-    """fp32 logits x (n, V) / t, -inf outside the tokens top_k and top_p keep and target y (n,)
-    keeps; and that set (n, V) bool, or None when both are off.
+# ---- GPU paths off by default: rolled padding and the mixed LM head
+# Each is tested on CPU and stays off until a GPU run shows that it pays: docs/gpu.md says what
+# that run must show. The third, the CUDA graph of the decode step, is generation's.
+def roll_padding_devices():
+    """The device types GPT2_ROLL_PADDING names, read when a model is built: none by default.
 
-    The set is generate's (kept_tokens) plus the target: the sampler drew y from its own set,
-    but pi_theta, a step or a rounding away, may rank y just outside its own, where its
-    log-prob would be -inf and the loss NaN. The set is a selection made from the values of
-    the logits: no gradient flows through it.
+    On them, rows padded only before and after their real tokens are rolled so that their pads
+    trail, for the causal kernel with no mask (FlashAttention on GPU). The real tokens' logits are
+    the same up to rounding: attention sums the same keys at other offsets, and the weight
+    gradients sum the rows in another order. CPU runs, where it does not pay, keep the masked path
+    and its bits. Off until a GPU run has measured that it pays (docs/gpu.md):
+    GPT2_ROLL_PADDING=cuda rolls on GPU, =cpu,cuda on both.
     """
-    scaled = x.float() / t
-    if top_k == 0 and top_p == 1.0:
-        return scaled, None
-    kept = kept_tokens(scaled.detach(), top_k, top_p)
-    kept = kept.scatter(1, y[:, None], True)
-    return scaled.masked_fill(~kept, -math.inf), kept
+    return os.environ.get("GPT2_ROLL_PADDING", "none").split(",")
 
 
-def chunk_logprobs(x, y, t, with_entropy, top_k=0, top_p=1.0):
-    """log_softmax(x / t) of logits x (n, V) at targets y (n,); the entropy (n,) or None.
+def rolls_padding(model, idx, attention_mask):
+    """Whether forward rolls rows of idx (rolled): a mask to roll by, on a device that
+    GPT2_ROLL_PADDING names (model.roll_padding)."""
+    return attention_mask is not None and idx.device.type in model.roll_padding
 
-    with_entropy "collision": Renyi's entropy of order 2, -log sum_v p_v^2, in place of Shannon's.
-    With top_k or top_p, all are of the distribution renormalised over trained_logits' set.
+
+def rolled(model, idx, attention_mask, keep_from):
+    """forward's blocks' output (B, T', C) at columns keep_from.. of rows whose real tokens are
+    one run each, from the causal kernel with no mask.
+
+    Each row is rolled left by its count of leading pads, so that every pad trails: a real
+    token then sees the real tokens before it, at their positions, and no pad. The blocks'
+    output is rolled back before the head.
     """
-    # generate's formula, so the same bits.
-    scaled, kept = trained_logits(x, y, t, top_k, top_p)
-    logp = scaled.log_softmax(-1)
-    token_logp = logp.gather(1, y[:, None]).squeeze(1)
-    if not with_entropy:
-        return token_logp, None
-    if with_entropy == "collision":
-        # WPO's weight alignment; a filtered token's 2 log p is -inf, and counts nothing.
-        return token_logp, -torch.logsumexp(2 * logp, -1)
-    if kept is None:
-        return token_logp, -(logp.exp() * logp).sum(-1)
-    p = logp.exp()
-    # 0 log 0 = 0 at the filtered tokens, not 0 x -inf.
-    logp = logp.masked_fill(~kept, 0)
-    return token_logp, -(p * logp).sum(-1)
+    T = idx.size(1)
+    # Positions count the real tokens only, as padded's do.
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # An all-pad row has no first real token: argmax gives 0, and it is not rolled.
+    lead = attention_mask.int().argmax(1, keepdim=True)  # (B, 1)
+    cols = torch.arange(T, device=idx.device)
+    take = (cols + lead) % T  # (B, T)
+    give_back = (cols - lead) % T  # (B, T)
+    rolled_idx = idx.gather(1, take)
+    rolled_positions = positions.gather(1, take)
+    x = model.body(rolled_idx, rolled_positions)
+    # Only the kept columns are taken back.
+    order = give_back[:, keep_from:, None].expand(-1, -1, x.size(-1))
+    return x.gather(1, order)
 
 
-def chunk_grad(x, y, t, g, g_entropy, top_k=0, top_p=1.0):
-    """chunk_logprobs' gradient in x (n, V), for the weights g (n, 1) and g_entropy or None."""
-    scaled, kept = trained_logits(x, y, t, top_k, top_p)
-    logp = scaled.log_softmax(-1)
-    p = logp.exp()
-    # d log p_y / dx = (1[y] - p) / t and dH / dx = -p (log p + H) / t, over the kept tokens:
-    # a filtered token has p = 0, and so no gradient.
-    dx = p * -g
-    if g_entropy is not None:
-        if kept is not None:
-            # 0 log 0 = 0 at the filtered tokens, not 0 x -inf.
-            logp = logp.masked_fill(~kept, 0)
-        h = -(p * logp).sum(-1, keepdim=True)
-        dx -= g_entropy * p * (logp + h)
-    return dx.scatter_add_(1, y[:, None], g).div_(t)
+def under_cuda_bf16_autocast(x):
+    """Whether x is on CUDA under bf16 autocast: the mixed head's case. Elsewhere it is fp32."""
+    cuda_bf16 = x.is_cuda and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    return cuda_bf16 and torch.is_autocast_enabled("cuda")
 
 
-@functools.cache
-def compiled(fn):
-    """fn under torch.compile, made at its first use. On CUDA a chunk's many passes over the
-    logits fuse into a few kernels; CPU runs the plain functions, and keeps their bits."""
-    return torch.compile(fn, dynamic=True)
+def mixed_logits(x, w):
+    """The logits (..., V) of x (..., C) and the head's w (V, C) by MixedHead: GPT2_HEAD=mixed."""
+    with torch.autocast(x.device.type, enabled=False):
+        logits = MixedHead.apply(x.flatten(0, -2), w)
+        return logits.view(*x.shape[:-1], -1)
 
 
-class TokenLogProbs(torch.autograd.Function):
-    """log_softmax(logits / t) (N, V) at targets (N,) and, if asked, the entropy (N,); with
-    top_k or top_p, over the tokens they keep (trained_logits).
+def mm_fp32(a, b):
+    """a @ b of bf16 operands, summed and returned in fp32: tensor cores on CUDA.
 
-    It takes CHUNK logits at a time. Backward writes the gradient over the saved logits, so they
-    must be a temporary that nothing else reads.
+    No CPU kernel has this signature; on CPU (the tests) the operands widened to fp32 give the
+    same product.
     """
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
-    # Rows are taken CHUNK // V at a time, so that the chunks' fp32 temporaries stay small.
-    CHUNK = 1 << 24
+
+class MixedHead(torch.autograd.Function):
+    """x (N, C) @ w (V, C).T from bf16 operands, with fp32 sums and logits: GPT2_HEAD=mixed.
+
+    The operands' rounding is the same for the sampler and the trainer; the fp32 logits keep the
+    bits that bf16 logits would lose. Inside the GEMMs w has zero rows up to a multiple of 128,
+    which keeps them on aligned tensor-core tiles; the logits are sliced back to V.
+    """
 
     @staticmethod
-    def forward(ctx, logits, target, t, with_entropy, top_k=0, top_p=1.0):
-        ctx.save_for_backward(logits, target)
-        # An entropy that is only logged gets None in backward, and no gradient work.
-        ctx.set_materialize_grads(False)
-        ctx.t = t
-        ctx.top_k = top_k
-        ctx.top_p = top_p
-        ctx.with_entropy = with_entropy
-        ctx.n = max(1, TokenLogProbs.CHUNK // logits.size(1))
-        forward = compiled(chunk_logprobs) if logits.is_cuda else chunk_logprobs
-        out = []
-        entropy = []
-        for x, y in zip(logits.split(ctx.n), target.split(ctx.n)):
-            token_logp, token_entropy = forward(x, y, t, with_entropy, top_k, top_p)
-            out.append(token_logp)
-            entropy.append(token_entropy)
-        if not with_entropy:
-            return torch.cat(out), None
-        return torch.cat(out), torch.cat(entropy)
+    def forward(ctx, x, w):
+        V, C = w.shape
+        w_bf16 = w.new_zeros(V + -V % 128, C, dtype=torch.bfloat16)
+        w_bf16[:V] = w
+        x_bf16 = x.to(torch.bfloat16)
+        ctx.save_for_backward(x_bf16, w_bf16)
+        return mm_fp32(x_bf16, w_bf16.t())[:, :V]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad, grad_entropy):
-        logits, target = ctx.saved_tensors
-        n = ctx.n
-        if grad_entropy is not None and ctx.with_entropy == "collision":
-            raise RuntimeError("the collision entropy has no gradient here: use it detached")
-        if grad is None:
-            grad = torch.zeros(len(target), device=logits.device)
-        gradient = compiled(chunk_grad) if logits.is_cuda else chunk_grad
-        for i, (x, y) in enumerate(zip(logits.split(n), target.split(n))):
-            rows = slice(i * n, (i + 1) * n)
-            g_entropy = None
-            if grad_entropy is not None:
-                g_entropy = grad_entropy[rows, None]
-            g = grad[rows, None]
-            x.copy_(gradient(x, y, ctx.t, g, g_entropy, ctx.top_k, ctx.top_p))
-        return logits, None, None, None, None, None
-
-
-def logprobs(model, query, response, temperature=1.0, entropy=False, top_k=0, top_p=1.0):
-    """Log-probs (B, Tr) fp32 of the responses' tokens after left-padded queries.
-
-    They are under logits / temperature, as generate samples them; with them comes the entropy
-    (B, Tr) if asked (entropy="collision": -log sum_v p_v^2, not differentiable), else None.
-    Both are 0 past each row's stop. The pad and stop ids are model.config's. The logits are
-    the one (B, Tr, V) tensor made. top_k and top_p (off: 0 and 1): both are those of the
-    distribution renormalised over the tokens generate's filter keeps, and the target
-    (trained_logits), so that a policy's ratio compares pi_theta and pi_old on the one
-    distribution the sampler drew from (trl#6789: a ratio whose two log-probs are normalised
-    over different sets carries the log of the kept mass).
-    """
-    pad = model.config.pad_token_id
-    eos = model.config.eos_token_id
-    # Only the columns that matter: no shared left padding, nothing past the last stop.
-    query, trimmed, unpadded, contiguous = _trim(query, response, pad, eos)
-    mask = response_mask(trimmed, eos)  # (B, Tr')
-    # Token t + 1 is predicted at position t.
-    inputs = torch.cat([query, trimmed[:, :-1]], 1)
-    # With no padding, no mask: the causal kernel (FlashAttention on GPU).
-    attention_mask = None
-    if not unpadded:
-        attention_mask = torch.cat([query != pad, mask[:, :-1]], 1)
-    keep_from = query.size(1) - 1
-    # Greedy's log-probs (temperature 0) are those of the logits, as in generate.
-    t = temperature or 1.0
-    packed = model.packing and attention_mask is not None and contiguous
-    if packed:
-        # The real tokens only; logits (n, V) at the n real response tokens.
-        keep = torch.cat([torch.zeros_like(query[:, 1:], dtype=torch.bool), mask], 1)
-        logits = model(inputs, attention_mask, packing=pack(attention_mask, keep))
-        targets = trimmed[mask].long()
-    else:
-        # Each row's real tokens are one run if the queries are left-padded only (rolled).
-        logits = model(inputs, attention_mask, keep_from=keep_from, contiguous=contiguous)
-        logits = logits.flatten(0, 1)  # (B * Tr', V)
-        targets = trimmed.flatten().long()
-    token_logp, token_entropy = TokenLogProbs.apply(logits, targets, t, entropy, top_k, top_p)
-
-    def as_response(x):
-        """(B * Tr',) or (n,) -> (B, Tr): 0 past each row's stop and in the columns trimmed off."""
-        if packed:
-            x = unpack(x, mask)
-        else:
-            x = x.view_as(mask).masked_fill(~mask, 0)
-        return F.pad(x, (0, response.size(1) - mask.size(1)))
-
-    if token_entropy is None:
-        return as_response(token_logp), None
-    return as_response(token_logp), as_response(token_entropy)
-
-
-# ---- Model I/O in the Hugging Face GPT-2 safetensors layout
-# lm_head is wte: it is not saved, and is loaded from wte.
-TIED = {"lm_head.weight": "transformer.wte.weight"}
-
-
-def load(name, tokenizer=None, head=None, shard=None):
-    """A model by name: `tiny` (random init), a GPT-2 preset, or a checkpoint dir or file.
-
-    A preset is GPT-2's pretrained weights, downloaded once per node; a checkpoint is ours or
-    HF's. tokenizer: the data's meta (vocab_size, stop and pad ids). head: None (a GPT), "new" or
-    "saved" (a ScalarModel). shard: the script's FSDP2 wrapper (model -> model), under which rank
-    0 alone reads (or inits) the weights and broadcasts them into every shard.
-    """
-    rank = None
-    if shard and dist.is_initialized():
-        rank = dist.get_rank()
-    if rank:
-        # No weights read: a model of the header's shapes, on the meta device.
-        with torch.device("meta"):
-            model = _build(name, tokenizer or {}, head, shapes_only=True)
-    else:
-        model = _build(name, tokenizer or {}, head, shapes_only=False)
-    if rank is None:
-        return shard(model) if shard else model
-    # Rank 0's full weights, kept past sharding.
-    state = {} if rank else model.state_dict()
-    model = shard(model)
-    if rank:
-        # Storage for the shards, in place: the tied wte and lm_head stay one parameter.
-        device_type = next(model.parameters()).device_mesh.device_type
-        model.to_empty(device=device_type)
-    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    dcp.set_model_state_dict(model, state, options=options)
-    return model
-
-
-def _build(name, tok, head, shapes_only):
-    """load()'s model, as one process builds it."""
-    tensors = {}
-    config = {}
-    if name == "tiny":
-        model = GPT(GPTConfig(**PRESETS["tiny"], vocab_size=tok["vocab_size"]))
-    else:
-        tensors, config = _read(name, shapes_only)
-        # Ours or HF's names: HF's have no "transformer." prefix.
-        sd = {k.removeprefix("transformer."): v for k, v in tensors.items()}
-        if "wte.weight" not in sd:
-            raise RunError(f"'{name}' is not a GPT-2 checkpoint (no wte.weight)")
-        # The sizes are read from the weights' shapes.
-        rows, n_embd = sd["wte.weight"].shape
-        n_positions = sd["wpe.weight"].shape[0]
-        n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
-        # Every GPT-2 size has 64-wide heads.
-        n_head = config.get("n_head", n_embd // 64)
-        cfg = GPTConfig(
-            block_size=n_positions, vocab_size=rows, n_layer=n_layer, n_head=n_head, n_embd=n_embd
-        )
-        model = GPT(cfg)
-        state = {}
-        for key in model.state_dict():
-            saved_key = TIED.get(key, key).removeprefix("transformer.")
-            state[key] = sd[saved_key]
-        model.load_state_dict(state)
-        # The embedding may have padding rows past the tokenizer's vocabulary, up to the next
-        # multiple of 128.
-        vocab = tok.get("vocab_size", rows)
-        padded_vocab = -(-vocab // 128) * 128
-        if not vocab <= rows <= padded_vocab:
-            raise RunError(
-                f"'{name}' has a {rows}-token vocabulary, the data's tokenizer {vocab}: prep it"
-                " with the model's (data.prep --tokenizer) or pass another model"
-            )
-    model.n_logits = tok.get("vocab_size", model.n_logits)
-    # The stop and pad ids: the data's, else the checkpoint's, else GPT-2's.
-    for key in ("eos_token_id", "pad_token_id"):
-        default = config.get(key, getattr(model.config, key))
-        setattr(model.config, key, tok.get(key, default))
-    if head == "saved" and "score.weight" not in tensors:
-        raise RunError(f"'{name}' has no reward head (score.*): pass a model written by reward.py")
-    if head is not None:
-        gain = config.get("reward_gain", 1.0)
-        bias = config.get("reward_bias", 0.0)
-        model = ScalarModel(model, gain, bias)
-    if head == "saved":
-        score = {k: tensors[f"score.{k}"] for k in ("weight", "bias")}
-        model.score.load_state_dict(score)
-    return model
-
-
-def save(model, out_dir, optimizer=None):
-    """model.safetensors, config.json (HF layout), optimizer.pt if given; all ranks call it."""
-    # The full state, gathered on rank 0 in CPU memory.
-    full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = dcp.get_model_state_dict(model, options=full)
-    optim = None
-    if optimizer:
-        optim = dcp.get_optimizer_state_dict(model, optimizer, options=full)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in TIED}
-    # Our config in Hugging Face's GPT2Config names, so that transformers loads the dir.
-    config = asdict(model.config)
-    block_size = config.pop("block_size")
-    config["n_positions"] = block_size
-    config["n_ctx"] = block_size
-    config.update(
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        architectures=["GPT2LMHeadModel"],
-        model_type="gpt2",
-        tie_word_embeddings=True,
-        activation_function="gelu_new",
-        bos_token_id=config["eos_token_id"],
-    )
-    if isinstance(model, ScalarModel):
-        config["reward_gain"] = model.reward_gain
-        config["reward_bias"] = model.reward_bias
-    os.makedirs(out_dir, exist_ok=True)
-    weights_path = os.path.join(out_dir, "model.safetensors")
-    save_file(tensors, weights_path, metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    if optimizer:
-        torch.save(optim, os.path.join(out_dir, "optimizer.pt"))
-
-
-def load_weights(model, path, optimizer=None):
-    """Load what `save` wrote, plain or FSDP2; optimizer.pt mmapped, so a node shares its pages."""
-    tensors, config = _read(path)
-    state = {k: tensors[TIED.get(k, k)] for k in model.state_dict()}
-    # Under FSDP2, each rank takes its shards from the full tensors.
-    options = dcp.StateDictOptions(full_state_dict=dist.is_initialized())
-    dcp.set_model_state_dict(model, state, options=options)
-    if optimizer:
-        optimizer_path = os.path.join(path, "optimizer.pt")
-        optim = torch.load(optimizer_path, weights_only=True, mmap=True)
-        dcp.set_optimizer_state_dict(model, optimizer, optim, options=options)
-    if isinstance(model, ScalarModel):
-        model.reward_gain = config["reward_gain"]
-        model.reward_bias = config["reward_bias"]
-
-
-def _read(name, shapes_only=False):
-    """(tensors, config dict) of a checkpoint: model.safetensors and the config.json beside it."""
-    path = _resolve(name)
-    try:
-        if shapes_only:
-            # The header alone: meta tensors of the saved shapes.
-            f = safe_open(path, "pt")
-            tensors = {}
-            for k in f.keys():
-                shape = f.get_slice(k).get_shape()
-                tensors[k] = torch.empty(shape, device="meta")
-        else:
-            tensors = load_file(path)
-    # safetensors raises several kinds of error on a truncated or foreign file.
-    except Exception as e:
-        raise RunError(f"cannot read '{path}' ({e}): it is damaged; save it again") from None
-    config_path = os.path.join(os.path.dirname(path), "config.json")
-    config = {}
-    if os.path.isfile(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
-    return tensors, config
-
-
-def _resolve(name):
-    """A .safetensors file, its directory, or a preset's weights (local rank 0 downloads them)."""
-    path = name
-    if os.path.isdir(name):
-        path = os.path.join(name, "model.safetensors")
-    if os.path.isfile(path):
-        return path
-    if name not in PRESETS or name == "tiny":
-        raise RunError(f"no checkpoint at '{name}': pass a model.safetensors or its directory")
-    cache = os.path.expanduser(os.environ.get("GPT2_CACHE", "~/.cache/gpt2_rlhf"))
-    path = os.path.join(cache, f"{name}.safetensors")
-    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isfile(path):
-        os.makedirs(cache, exist_ok=True)
-        url = f"https://huggingface.co/{name}/resolve/main/model.safetensors"
-        # To a temporary file, then renamed: nodes may share the cache directory.
-        try:
-            torch.hub.download_url_to_file(url, path, progress=False)
-        except OSError as e:
-            raise RunError(f"could not download {url} ({e}); offline, pass its directory") from None
-    # The node's other ranks wait for its local rank 0.
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+    def backward(ctx, g):  # g (N, V) fp32
+        x_bf16, w_bf16 = ctx.saved_tensors
+        V = g.size(1)
+        # The gradient in bf16, with zero columns for w's zero rows.
+        g_bf16 = F.pad(g.to(torch.bfloat16), (0, len(w_bf16) - V))
+        gx = None
+        gw = None
+        if ctx.needs_input_grad[0]:
+            gx = mm_fp32(g_bf16, w_bf16)
+        if ctx.needs_input_grad[1]:
+            gw = mm_fp32(g_bf16.t(), x_bf16)[:V]
+        return gx, gw
 
 
 # ---- CPU speed: the fp32 GEMM library and the allocator (nothing here runs on GPU)
