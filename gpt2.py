@@ -38,7 +38,6 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import state_dict as dcp
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
 
 # Seconds the other ranks give rank 0 to print a RunError that every rank met.
@@ -476,6 +475,10 @@ def packed_attention(q, k, v, n_head, packing):
     k = k.view(N, n_head, C // n_head)
     v = v.view(N, n_head, C // n_head)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        # Imported on first use: the module brings torch's compiler stack, the slowest part of
+        # every process's start, and only this CUDA path needs it.
+        from torch.nn.attention.varlen import varlen_attn
+
         cu = packing.cu_seqlens
         L = packing.max_len
         # window_size (-1, 0): causal.
