@@ -102,6 +102,9 @@ class Args:
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
 
 
+# Flags that live in a sibling script (parse_args): none.
+MOVED = {}
+
 # ----------------------------------------------------------------------------------------------
 # DPO: the pair loss from the log-probs of the chosen and rejected responses
 
@@ -376,7 +379,7 @@ def main(args: Args):
     ref_train = torch.zeros(n_train, 2, device=device)
     ref_test = torch.zeros(n_test, 2, device=device)
     if use_ref and not refresh:
-        if MASTER:
+        if is_master():
             print(f"reference log-probs of {n_train} train and {n_test} eval pairs", flush=True)
         ref_train = data.split_logprobs(ref, train, n_train, micro_batch_size, ctx)
         ref_test = data.split_logprobs(ref, test, n_test, micro_batch_size, ctx)
@@ -417,7 +420,7 @@ def main(args: Args):
     show = ("train/loss", "eval/preference_accuracy", "eval/accuracy", "perf/tokens_per_sec")
     # the starting policy: the loss is ln 2 when π = π_ref
     if start == 0 and args.eval_size > 0:
-        log_metrics(args.out_dir, 0, evaluate(), show)
+        log_metrics(args, 0, evaluate(), show)
 
     # 5. training loop: one permutation of the pairs per epoch, keyed by
     # (seed, epoch). Rank r takes its slice of each global batch, so any
@@ -531,7 +534,7 @@ def main(args: Args):
                 metrics["train/wpo_weight"] = means["train/wpo_weight"]
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
-            log_metrics(args.out_dir, done, metrics, show)
+            log_metrics(args, done, metrics, show)
             t0, tokens = time.time(), 0
         checkpoint(args, done, models, device, due=eval_now)
 
@@ -542,17 +545,28 @@ def main(args: Args):
 
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
-# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
+# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm. What a run does
+# to the process that calls main() (a SIGTERM handler, the allocator's settings, the run dir and
+# its `latest` link; the process's end under torchrun): docs/faults.md.
 RunError = gpt2.RunError
-MASTER = os.environ.get("RANK", "0") == "0"
 # A cluster's preemption sends SIGTERM: every rank then saves at the same step
 # (checkpoint).
 SIGTERM = []
+# Seconds the other ranks give rank 0 to print a RunError that every rank met.
+RANK_EXIT_DELAY = 5
+
+
+def is_master():
+    """Rank 0, or the only process: the one that writes the run dir and prints."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def setup_distributed():
-    """(rank, world_size, device); under torchrun, a process group: nccl on CUDA, gloo on CPU."""
+    """(rank, world_size, device); under torchrun, a process group: nccl on CUDA, gloo on CPU.
+    The process keeps freed buffers (gpt2.keep_freed_memory) and takes SIGTERM as a request to
+    save a checkpoint and stop."""
     gpt2.keep_freed_memory()
+    SIGTERM.clear()
     signal.signal(signal.SIGTERM, lambda *_: SIGTERM.append(True))
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -570,8 +584,16 @@ def setup_distributed():
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
-    atexit.register(dist.destroy_process_group)
+    # A run that stops on an exception still ends its process group.
+    atexit.register(end_process_group)
     return rank, world_size, device
+
+
+def end_process_group():
+    """Destroy the process group, if one is left (at exit, after a run that stopped on an
+    exception)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def start_run(args, algo):
@@ -579,7 +601,7 @@ def start_run(args, algo):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or f"runs/{algo}/{stamp}-s{args.seed}"
     claim = [None, None]
-    if MASTER:
+    if is_master():
         claim = [claim_run_dir(out_dir, args, algo), out_dir]
     # Every rank takes rank 0's name: their clocks may differ.
     if dist.is_initialized():
@@ -587,7 +609,7 @@ def start_run(args, algo):
     problem, out_dir = claim
     if problem:
         raise RunError(problem)
-    if MASTER and args.wandb:
+    if is_master() and args.wandb:
         # Imported only when asked for.
         wandb = __import__("wandb")
         name = os.path.basename(out_dir)
@@ -645,7 +667,7 @@ def checkpoint(args, step, models, device, due, extra=None):
     # Each model in the HF layout, with its optimizer.pt if it has an optimizer.
     for name, (model, optimizer) in models.items():
         gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
-    if MASTER:
+    if is_master():
         torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
         # A save killed midway leaves .tmp, never a partial step_N. After a resume, a
         # step can be saved again.
@@ -681,7 +703,7 @@ def newest_complete_checkpoint(out_dir, models):
 
 def load_checkpoint(out_dir, models):
     """--resume: rank 0 picks the checkpoint, and every rank loads it, at any world size."""
-    box = [newest_complete_checkpoint(out_dir, models) if MASTER else None]
+    box = [newest_complete_checkpoint(out_dir, models) if is_master() else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     path = box[0]
@@ -690,7 +712,7 @@ def load_checkpoint(out_dir, models):
     state = torch.load(f"{path}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
         gpt2.load_weights(model, f"{path}/{name}", optimizer)
-    if MASTER:
+    if is_master():
         print(f"resumed from {path} at step {state['step']}", flush=True)
         # The rows a killed run logged after this checkpoint will be logged again: cut
         # them, in one call, so that a kill leaves either every row or these. The rows
@@ -701,34 +723,67 @@ def load_checkpoint(out_dir, models):
     return state
 
 
-def log_metrics(out_dir, step, metrics, show):
-    """Rank 0: one JSON row in metrics.jsonl (every metric) and one status line (`show`)."""
-    if not MASTER:
+def log_metrics(args, step, metrics, show):
+    """Rank 0: one JSON row in metrics.jsonl (every metric), one status line (`show`), and
+    with --wandb, the row to Weights & Biases."""
+    if not is_master():
         return
-    with open(f"{out_dir}/metrics.jsonl", "a") as f:
+    with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": step, **metrics}) + "\n")
     status = " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics)
     print(f"step {step:5d} | {status}", flush=True)
-    if "wandb" in sys.modules:
+    if args.wandb:
         sys.modules["wandb"].log(metrics, step=step)
 
 
 def finish_run(args, algo):
-    """After the final save: runs/<algo>/latest, where the next stage looks, links this run."""
-    if MASTER and os.path.dirname(args.out_dir) == f"runs/{algo}":
+    """After the final save: runs/<algo>/latest, where the next stage looks, links this run;
+    the process group ends, and main() returns on every rank."""
+    if is_master() and os.path.dirname(args.out_dir) == f"runs/{algo}":
         # A new link under this process's own name, renamed over the old one: no reader
         # ever finds no link, and no other run shares the temporary name.
         link = f"runs/{algo}/.latest.{os.getpid()}"
         os.symlink(os.path.basename(args.out_dir), link)
         os.replace(link, f"runs/{algo}/latest")
-    if MASTER and "wandb" in sys.modules:
+    if is_master() and args.wandb:
         sys.modules["wandb"].finish()
     if dist.is_initialized():
-        # gloo's threads can abort the interpreter's teardown: skip it.
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)
+        # Every rank is done with its collectives before any tears down its connections.
+        dist.barrier()
+    end_process_group()
+
+
+def parse_args(argv):
+    """Args from the command line (tyro). A flag that lives in a sibling script (MOVED) is one
+    line naming that script."""
+    for arg in argv:
+        flag = arg.split("=")[0].removeprefix("--").replace("-", "_")
+        # a boolean's --no_ form is its flag too
+        flag = flag if flag in MOVED else flag.removeprefix("no_")
+        if arg.startswith("--") and flag in MOVED:
+            sibling = MOVED[flag]
+            raise RunError(f"--{flag} lives in {sibling}: run `python {sibling} --{flag} ...`")
+    return tyro.cli(Args, args=argv, use_underscores=True)
+
+
+def exit_on(error):
+    """The end of a run stopped by a RunError: its one line on rank 0 and exit status 1 on
+    every rank. The other ranks exit a moment later: torchrun stops every rank when one fails,
+    and rank 0, a moment behind on a loaded machine, would be stopped before its line."""
+    if is_master():
+        sys.exit(f"error: {error}")
+    time.sleep(RANK_EXIT_DELAY)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    try:
+        main(parse_args(sys.argv[1:]))
+    except RunError as e:
+        exit_on(e)
+    # Under torchrun, gloo's threads can abort the interpreter's teardown after main() has
+    # returned (docs/faults.md): the process ends here instead.
+    if "RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

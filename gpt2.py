@@ -23,7 +23,6 @@ import functools
 import json
 import math
 import os
-import time
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -40,23 +39,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-# Seconds the other ranks give rank 0 to print a RunError that every rank met.
-RANK_EXIT_DELAY = 5
 
-
-class RunError(SystemExit):
-    """A problem the user can fix (a flag, a file): one line on rank 0, exit status 1, no trace."""
-
-    def __init__(self, message: str):
-        # Only rank 0 prints the message; the other ranks exit with status 1 silently.
-        if os.environ.get("RANK", "0") == "0":
-            super().__init__(f"error: {message}")
-            return
-        # But not first: torchrun stops every rank as soon as one fails, and rank 0, a moment
-        # behind on a loaded machine, would be stopped before its line. Rank 0's exit then
-        # stops this one, or the delay runs out.
-        time.sleep(RANK_EXIT_DELAY)
-        super().__init__(1)
+class RunError(Exception):
+    """A problem the user can fix (a flag, a file): a script's __main__ prints it as one line,
+    `error: <message>`, on rank 0, and exits with status 1; no traceback."""
 
 
 # ---- The model: the config, the blocks, and one forward pass from embedding to logits

@@ -334,4 +334,8 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    try:
+        main(tyro.cli(Args, use_underscores=True))
+    except gpt2.RunError as e:
+        # a problem the user can fix: one line, no traceback
+        sys.exit(f"error: {e}")

@@ -41,7 +41,7 @@ import sys
 
 import numpy as np
 
-from data import make_meta, pad_left, pad_right, progress, write_dataset
+from data import RunError, make_meta, pad_left, pad_right, progress, write_dataset
 from data.tokenizer import get_encoding
 
 GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
@@ -350,7 +350,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     try:
         prep(parse_args())
-    except (ValueError, OSError, RuntimeError) as e:
+    except (RunError, ValueError, OSError, RuntimeError) as e:
         # bad input: one line naming the problem and its fix reads better than a traceback
         print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         sys.exit(2)

@@ -48,10 +48,11 @@ def metrics(out_dir):
 
 def error_line(module, args):
     """The one line a script prints for a problem the user can fix, run in this process: its main()
-    on the parsed flags must raise a RunError. What Python then prints and its exit status 1 are
-    checked once per script, as a user runs it (each test file's subprocess error test)."""
+    on the parsed flags must raise a RunError, which the script's __main__ prints as this line.
+    That it does, with exit status 1, is checked once per script, as a user runs it (each test
+    file's subprocess error test)."""
     with pytest.raises(gpt2.RunError) as e:
         module.main(module.tyro.cli(module.Args, args=args, use_underscores=True))
-    line = e.value.code
-    assert line.startswith("error: ") and "\n" not in line, line
+    line = f"error: {e.value}"
+    assert "\n" not in line, line
     return line

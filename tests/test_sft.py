@@ -332,7 +332,7 @@ def test_another_ranks_sigterm_stops_this_rank_on_a_step_that_saves_anyway(tmp_p
     model = gpt2.load("tiny", dict(vocab_size=257, eos_token_id=256, pad_token_id=256))
     args = sft.Args(out_dir=str(tmp_path), keep_checkpoints=1)
     monkeypatch.setattr(sft, "all_reduce", lambda x: x + 1)  # another rank was sent SIGTERM
-    with pytest.raises(SystemExit, match="SIGTERM: saved step 4"):
+    with pytest.raises(gpt2.RunError, match="SIGTERM: saved step 4"):
         sft.checkpoint(args, 4, {"model": (model, None)}, torch.device("cpu"), due=True)
     assert (tmp_path / "checkpoints" / "step_00000004" / "model" / "model.safetensors").exists()
 
