@@ -1,4 +1,4 @@
-"""Reward functions as plug-ins: `grpo.py --reward_fn FILE.py:NAME`, repeatable.
+"""Reward functions as plug-ins: `grpo_variants.py --reward_fn FILE.py:NAME`, repeatable.
 
 A reward function is a plain Python function of three lists of equal length,
 

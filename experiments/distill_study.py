@@ -1,12 +1,12 @@
 """On-policy distillation against GRPO on the offline task: what a teacher's per-token
 judgement buys over the verifier's one reward per response.
 
-Per seed, grpo.py runs start from the same SFT model, with the same prompts, sizes and
-seed: `grpo` learns from the verifier (the pipeline's GRPO), `distill` from a teacher alone
-(`--teacher_model`, `--no_verifier`), the GRPO model the pipeline trained from that SFT
-model, and `both` from the two, their advantages added. Each logs the greedy eval
-accuracy every --eval_every steps; the training seconds are summed from
-perf/episodes_per_sec (eval excluded). The table gives, per eval step, the median and
+Per seed, grpo_variants.py runs (grpo.py, at its defaults) start from the same SFT model,
+with the same prompts, sizes and seed: `grpo` learns from the verifier (the pipeline's
+GRPO), `distill` from a teacher alone (`--teacher_model`, `--no_verifier`), the GRPO model
+the pipeline trained from that SFT model, and `both` from the two, their advantages added.
+Each logs the greedy eval accuracy every --eval_every steps; the training seconds are summed
+from perf/episodes_per_sec (eval excluded). The table gives, per eval step, the median and
 range over seeds of the accuracy, and of the accuracy gained per step and per training
 second. Runs go to OUT_DIR/<arm>-s<seed>; a finished one is reused.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import tyro
 
-# grpo.py lives at the repository root
+# grpo_variants.py lives at the repository root
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,7 +33,7 @@ class Args:
     sft: tuple[str, ...]  # the students: one SFT run dir per seed
     teachers: tuple[str, ...]  # one GRPO run dir per seed, trained from that seed's SFT model
     seeds: tuple[int, ...] = (1, 2, 3)  # one per --sft
-    out_dir: str = "runs/distill_study"  # one grpo.py run dir per arm and seed below this
+    out_dir: str = "runs/distill_study"  # one run dir per arm and seed below this
     total_episodes: int = 51200  # per run: the pipeline's GRPO (200 steps of 256)
     eval_every: int = 10  # steps between eval accuracies
     teacher_coef: float = 1.0  # --teacher_coef of the distill and both arms
@@ -52,10 +52,11 @@ def arm_flags(args, arm, sft, teacher, seed):
 
 
 def run_once(run_dir, flags):
-    """grpo.py into run_dir, unless a finished run is there already."""
+    """grpo_variants.py into run_dir, unless a finished run is there already."""
     if os.path.exists(os.path.join(run_dir, "model.safetensors")):
         return run_dir
-    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--out_dir", run_dir, "--overwrite"]
+    script = os.path.join(ROOT, "grpo_variants.py")
+    cmd = [sys.executable, script, "--out_dir", run_dir, "--overwrite"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd + flags, capture_output=True, text=True, cwd=ROOT, env=env)
     if p.returncode != 0:

@@ -1,7 +1,7 @@
-"""Two reward functions for grpo.py's offline arithmetic task: copy one and edit it.
+"""Two reward functions for grpo_variants.py's offline arithmetic task: copy one and edit it.
 
-    python grpo.py --reward_fn experiments/reward_fns.py:closeness --reward_weights 0.5
-    python grpo.py --no_verifier --reward_fn experiments/reward_fns.py:closeness \\
+    python grpo_variants.py --reward_fn experiments/reward_fns.py:closeness --reward_weights 0.5
+    python grpo_variants.py --no_verifier --reward_fn experiments/reward_fns.py:closeness \\
         --reward_fn experiments/reward_fns.py:answer_format --reward_weights 1 0.2
 
 A reward function takes three lists of equal length: the prompts and the responses as text
