@@ -21,11 +21,10 @@ Choices: a value model of its own (Stiennon et al.; lm-human-preferences puts th
 head on the policy) with lm-human-preferences' zero head; TensorFlow's Adam
 (adam_tf.py), eps 1e-5, no gradient clipping, lr decaying to 0; whitening over the
 global batch's tokens (lm-human-preferences: each minibatch on each rank), so 1 and N
-ranks make the same update with --num_minibatches 1. Options as in grpo.py:
---dual_clip (arXiv 1912.09729), an entropy bonus --entropy_coef, adaptive with
---entropy_target (Skywork-OR1, arXiv 2505.22312), --sampler_correction (the policy loss
-weighed by π_old / π_sampler, truncated or masked; TIS in bf16 by default);
-eval/preference_accuracy where pref_test exists.
+ranks make the same update with --num_minibatches 1; pi_old is the trainer's forward, so
+the first minibatch is exactly on-policy; eval/preference_accuracy where pref_test exists.
+The field's later options (dual-clip, an adaptive entropy bonus, the sampler-trainer
+correction, top-k and top-p sampling) are ppo_variants.py, equal to this file at its defaults.
 
     python ppo.py                      # from runs/sft/latest and runs/reward/latest
     python ppo.py --no_adaptive_kl --kl_coef 0.05            # a fixed KL coefficient
@@ -63,11 +62,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import data
 import gpt2
 
-# --sampler_correction's choices: TIS truncates pi_old / pi_sampler, MIS masks it
-Correction = Literal[
-    "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
-]
-
 
 @dataclass
 class Args:
@@ -89,8 +83,6 @@ class Args:
     micro_batch_size: int = 64  # sequences per forward pass on one rank
     response_length: int = 16  # max new tokens per response
     temperature: float = 0.7  # sampling temperature; training log-probs use it too
-    top_k: int = 0  # sample among the k likeliest tokens; training log-probs too (0: off)
-    top_p: float = 1.0  # nucleus: the fewest likeliest tokens of this mass; as top_k (1: off)
     kl_coef: float = 0.2  # initial coefficient of the per-token KL penalty
     adaptive_kl: bool = True  # adapt kl_coef towards --target_kl (Ziegler et al. 2019)
     target_kl: float = 0.3  # target KL to the reference, in nats per response
@@ -99,14 +91,8 @@ class Args:
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     cliprange: float = 0.2  # PPO policy ratio clip
-    sampler_correction: Correction = "auto"  # weigh by π_old/π_sampler (auto: TIS in bf16)
-    sampler_cap: float = 2.0  # C: the weight truncated at C, or masked outside [1/C, C]
-    dual_clip: float | None = None  # cap the loss at -this x A where A < 0 (verl: 3.0)
     cliprange_value: float = 0.2  # value prediction clip around the rollout's values
     vf_coef: float = 0.1  # weight of the value loss
-    entropy_coef: float = 0.0  # an entropy bonus: the loss minus this x the mean entropy
-    entropy_target: float | None = None  # adapt --entropy_coef toward it (Skywork-OR1)
-    entropy_coef_delta: float = 0.005  # --entropy_target's coefficient step per update
     whiten_rewards: bool = True  # whiten (scale only) per-token rewards before GAE
     value_head: Literal["zero", "reward"] = "zero"  # zeros, or the reward model's head
     eval_every: int = 16  # updates between evals and checkpoints
@@ -118,6 +104,23 @@ class Args:
     activation_checkpointing: bool = False  # recompute activations in backward: less memory
     packing: bool = True  # the real tokens only, packed into one row: no compute on padding
     wandb: bool = False  # also log to Weights & Biases (imported only when set)
+
+
+# The status line's few numbers; metrics.jsonl has every one.
+SHOW = (
+    "objective/scores",
+    "objective/kl",
+    "policy/approxkl_avg",
+    "eval/accuracy",
+    "perf/episodes_per_sec",
+)
+# ppo_variants.py's flags, which this file leaves out: `python ppo.py --dual_clip 3` is one line
+# naming that file (parse_args).
+MOVED = dict.fromkeys(
+    "top_k top_p sampler_correction sampler_cap dual_clip entropy_coef entropy_target "
+    "entropy_coef_delta".split(),
+    "ppo_variants.py",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,51 +169,7 @@ def masked_whiten(x, mask, shift_mean=True):
     return (whitened * m).to(x.dtype)
 
 
-def sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap):
-    """The weight (B, T) of each token's policy loss for sampling from pi_sampler (generate's
-    log-probs) where the loss's pi_old is the trainer's forward: w = pi_old / pi_sampler,
-    truncated at cap or masked outside [1/cap, cap], per token or per response. Also the
-    ratio (B, T) at that level, for the metrics. The same bits on both sides give w = 1 exactly."""
-    log_ratio = torch.where(mask.bool(), old_logprobs - sampler_logprobs, 0.0)
-    if mode.startswith("sequence"):
-        # a response's ratio is the product of its tokens' (TRL's sequence modes)
-        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
-    ratio = torch.exp(log_ratio)
-    if mode == "none":
-        # no correction: the gap is only measured
-        weights = torch.ones_like(ratio)
-    elif mode in ("token_truncate", "sequence_truncate"):
-        # TIS (Yao et al. 2025): min(w, C), which bounds the variance and keeps every token
-        weights = ratio.clamp(max=cap)
-    elif mode in ("token_mask", "sequence_mask"):
-        # MIS / IcePop (Ring-1T, arXiv 2510.18855): out of the loss where w leaves [1/C, C]
-        inside = (ratio >= 1.0 / cap) & (ratio <= cap)
-        weights = ratio * inside
-    else:
-        raise ValueError(f"unknown sampler correction {mode!r}")
-    return weights, ratio
-
-
-def sampler_gap(old_logprobs, sampler_logprobs, ratio, mask, cap):
-    """The sampler-trainer gap over the mask (B, T), for the metrics: sums of k3 of
-    KL(pi_sampler || pi_old) per token, of the tokens whose ratio (B, T) at the correction's
-    level leaves [1/cap, cap], and of the tokens; and the largest ratio and inverse ratio (2,)."""
-    real = mask.bool()
-    log_ratio = torch.where(real, old_logprobs - sampler_logprobs, 0.0)
-    # w - 1 - log w, w = pi_old / pi_sampler: never negative
-    k3 = torch.expm1(log_ratio) - log_ratio
-    outside = (ratio < 1.0 / cap) | (ratio > cap)
-    sums = {
-        "k3": (k3.double() * real).sum(),
-        "outside": (outside & real).double().sum(),
-        "tokens": real.double().sum(),
-    }
-    ratio_max = ratio.masked_fill(~real, 0).max()
-    inverse_max = (1 / ratio).masked_fill(~real, 0).max()
-    return sums, torch.stack([ratio_max, inverse_max])
-
-
-def policy_loss(new_logprobs, logprobs, advantages, cliprange, dual_clip=None):
+def policy_loss(new_logprobs, logprobs, advantages, cliprange):
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss, all
     (B, T). Returns the losses, the ratios and where the clipped term was the larger
     loss (clipfrac)."""
@@ -218,11 +177,6 @@ def policy_loss(new_logprobs, logprobs, advantages, cliprange, dual_clip=None):
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = torch.max(pg_losses, pg_losses_clipped)
-    if dual_clip is not None:
-        # Dual-clip (Ye et al. 2020, arXiv 1912.09729): where A < 0 the loss grows without
-        # bound with the ratio; cap it at -dual_clip A.
-        capped = loss.minimum(-dual_clip * advantages)
-        loss = torch.where(advantages < 0, capped, loss)
     clipped = pg_losses_clipped > pg_losses
     return loss, ratio, clipped
 
@@ -271,20 +225,6 @@ def penalised_scores(scores, response, eos_token_id, penalty):
     return torch.where(stopped, scores, torch.full_like(scores, penalty))
 
 
-def adaptive_entropy_coef(coef, entropy, target, delta):
-    """Skywork-OR1 (arXiv 2505.22312) adaptive entropy control, after a step of token mean
-    entropy `entropy`: the coefficient rises by delta below the target, falls by delta above
-    it, and stays at least 0. Also the coefficient the next step applies: none while the
-    entropy is above the target (the paper's indicator, TRL's gate)."""
-    if entropy < target:
-        coef = coef + delta
-    else:
-        coef = coef - delta
-    coef = max(0.0, coef)
-    applied = coef if entropy <= target else 0.0
-    return coef, applied
-
-
 def forward_values(model, query, response, pad_token_id, eos_token_id):
     """A value model's values (B, Tr) at the positions that predict each response
     token (as gpt2.logprobs' log-probs): the last token is only predicted, so it is no
@@ -301,6 +241,11 @@ def forward_values(model, query, response, pad_token_id, eos_token_id):
         values = model(inputs, input_mask, packing=packing)
         return gpt2.unpack(values, response_mask)
     return model(inputs, input_mask, keep_from=query.size(1) - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorFlow's Adam, lm-human-preferences' optimizer (adam_tf.py: the reference, its tests, and
+# how it differs from torch's)
 
 
 def adam_tf_step(p, g, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps):
@@ -425,7 +370,7 @@ def check_args(args):
     if args.keep_checkpoints < 0:
         raise bad_flag("keep_checkpoints", "must be at least 0 (0: the newest only)")
     # Coefficients and rates. `not value >= 0` is also true for NaN.
-    for flag in ["lr", "kl_coef", "vf_coef", "entropy_coef", "entropy_coef_delta"]:
+    for flag in ["lr", "kl_coef", "vf_coef"]:
         value = getattr(args, flag)
         if not (math.isfinite(value) and value >= 0):
             raise bad_flag(flag, "must be a finite number >= 0")
@@ -436,19 +381,82 @@ def check_args(args):
     for flag in ["gamma", "lam"]:
         if not 0 <= getattr(args, flag) <= 1:
             raise bad_flag(flag, "must be in [0, 1]")
-    if args.top_k < 0:
-        raise bad_flag("top_k", "must be at least 0 (0: off)")
-    if not 0 < args.top_p <= 1:
-        raise bad_flag("top_p", "must be in (0, 1] (1: off)")
-    for flag in ["penalty_reward_value", "entropy_target"]:
-        value = getattr(args, flag)
-        if value is not None and not math.isfinite(value):
-            raise bad_flag(flag, "must be a finite number or None")
-    if not (math.isfinite(args.sampler_cap) and args.sampler_cap >= 1):
-        raise bad_flag("sampler_cap", "must be a finite number >= 1 (it bounds π_old/π_sampler)")
-    dual_clip = args.dual_clip
-    if dual_clip is not None and not (math.isfinite(dual_clip) and dual_clip > 1):
-        raise bad_flag("dual_clip", "must be a finite number > 1, or None (verl uses 3)")
+    value = args.penalty_reward_value
+    if value is not None and not math.isfinite(value):
+        raise bad_flag("penalty_reward_value", "must be a finite number or None")
+
+
+def make_eval(policy, reward_model, args, meta, rank, world_size, micro_batch_size, ctx):
+    """The eval, a function of no arguments (as CleanRL's make_env returns a thunk): the mean
+    reward-model score of greedy responses to prompt_test (a strided share per rank), their
+    accuracy where the task has a verifier, and preference accuracy on the held-out pairs
+    where the data has them, against the policy as it is now (before any --resume): the pairs'
+    log-probs under it are taken here."""
+    test = data.load_split(args.data, "prompt_test")
+    pref = data.eval_split(args.data, "pref_test", args.eval_size)  # None where absent
+    n_pairs = len(pref["query"]) if pref else 0
+    ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
+    device = next(policy.parameters()).device
+    pad = meta["pad_token_id"]
+    eos = meta["eos_token_id"]
+
+    def evaluate():
+        n = min(args.eval_size, len(test["query"])) // world_size * world_size
+        idx = np.arange(rank, n, world_size)
+        sums = {}
+        sums["score"] = torch.zeros((), device=device)
+        sums["correct"] = torch.zeros((), device=device)
+        for i in data.progress(range(0, len(idx), micro_batch_size), "eval", show=is_master()):
+            j = idx[i : i + micro_batch_size]
+            query = torch.from_numpy(test["query"][j]).to(device)
+            with torch.no_grad(), ctx:
+                rollout = gpt2.generate(policy, query, pad, args.response_length, eos, 0.0)
+                response = rollout.response
+                scores = gpt2.get_reward(reward_model, query, response, pad, eos)
+            scores = penalised_scores(scores, response, eos, args.penalty_reward_value)
+            sums["score"] += scores.sum()
+            if meta.get("task"):
+                answers = test["ground_truth"][j]
+                correct = data.verify_batch(meta, response.tolist(), answers)
+                sums["correct"] += sum(correct)
+        totals = all_reduce_dict(sums)
+        metrics = {"eval/score": totals["score"] / max(n, 1)}
+        if meta.get("task"):
+            metrics["eval/accuracy"] = totals["correct"] / max(n, 1)
+        if n_pairs:
+            logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
+            accuracy = data.preference_accuracy(logps, ref_pair_logps)
+            metrics["eval/preference_accuracy"] = accuracy
+        return metrics
+
+    return evaluate
+
+
+def update_metrics(totals, batch_size, kl_coef, lr):
+    """An update's metrics from the global batch's sums (totals): per response, or per token of
+    every epoch and minibatch; lm-human-preferences' and TRL's names (docs/metrics.md)."""
+    tokens = totals["tokens"]
+    mean_ratio = totals["ratio"] / tokens
+    # Var[ratio] = E[ratio^2] - E[ratio]^2, which rounding can take a hair below 0
+    ratio_var = max(0.0, totals["ratio_squared"] / tokens - mean_ratio**2)
+    rlhf_reward = totals["scores"] + totals["non_score_reward"]
+    return {
+        "objective/kl": totals["kl"] / batch_size,
+        "objective/entropy": totals["neg_logprob"] / batch_size,
+        "objective/non_score_reward": totals["non_score_reward"] / batch_size,
+        "objective/scores": totals["scores"] / batch_size,
+        "objective/rlhf_reward": rlhf_reward / batch_size,
+        "objective/kl_coef": kl_coef,
+        "loss/policy_avg": totals["pg_loss"] / tokens,
+        "loss/value_avg": totals["vf_loss"] / tokens,
+        "policy/approxkl_avg": totals["approxkl"] / tokens,
+        "policy/clipfrac_avg": totals["pg_clipfrac"] / tokens,
+        "val/clipfrac_avg": totals["vf_clipfrac"] / tokens,
+        "val/ratio": mean_ratio,
+        "val/ratio_var": ratio_var,
+        "val/stop_frac": totals["stopped"] / batch_size,
+        "train/lr": lr,
+    }
 
 
 def main(args: Args):
@@ -466,16 +474,11 @@ def main(args: Args):
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and on_cuda)
     # With bf16 off, the autocast context is a no-op.
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    # The sampler-trainer correction: off in fp32, where both give the same log-probs.
-    correction = args.sampler_correction
-    if correction == "auto":
-        correction = "token_truncate" if bf16 else "none"
     torch.manual_seed(args.seed)
 
     # 2. data
     meta = data.load_meta(args.data)
     prompts = data.load_split(args.data, "prompt_train")
-    test = data.load_split(args.data, "prompt_test")
     pad = meta["pad_token_id"]
     eos = meta["eos_token_id"]
     n_prompts = len(prompts["query"])
@@ -517,77 +520,18 @@ def main(args: Args):
     fwd_policy = torch.compile(policy) if args.compile else policy
     fwd_value = torch.compile(value_model) if args.compile else value_model
     models = {"policy": (policy, policy_opt), "value": (value_model, value_opt)}
-    # eval/preference_accuracy's reference: the policy as loaded, before any --resume.
-    # pref is None where the data has no pref_test split.
-    pref = data.eval_split(args.data, "pref_test", args.eval_size)
-    n_pairs = len(pref["query"]) if pref else 0
-    ref_pair_logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
+    # the eval: its preference accuracy's reference is the policy as loaded
+    evaluate = make_eval(policy, reward_model, args, meta, rank, world_size, micro_batch_size, ctx)
+    state = {"step": 0}
     if args.resume:
         state = load_checkpoint(args.out_dir, models)
-    else:
-        state = {"step": 0}
     start = state["step"]
     kl_coef = state.get("kl_coef", args.kl_coef)
-    # The entropy bonus: Skywork-OR1's coefficient, and the one applied. Without a
-    # target the bonus is --entropy_coef throughout; with one, none until the entropy
-    # is below it.
-    entropy_coef = state.get("entropy_coef", args.entropy_coef)
-    first_bonus = args.entropy_coef if args.entropy_target is None else 0.0
-    entropy_bonus = state.get("entropy_bonus", first_bonus)
-    entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
     temperature = args.temperature
     response_length = args.response_length
-    # The policy's log-probs (pi_old's and pi_theta's) on the distribution the sampler draws
-    # from: top-k and top-p's tokens, renormalised (gpt2.logprobs: trl#6789).
-    policy_logprobs = functools.partial(
-        gpt2.logprobs,
-        fwd_policy,
-        temperature=temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-    )
-
-    def evaluate():
-        """Greedy responses to prompt_test (a strided share per rank): the mean score
-        and accuracy."""
-        n = min(args.eval_size, len(test["query"])) // world_size * world_size
-        idx = np.arange(rank, n, world_size)
-        sums = {}
-        sums["score"] = torch.zeros((), device=device)
-        sums["correct"] = torch.zeros((), device=device)
-        for i in data.progress(range(0, len(idx), micro_batch_size), "eval", show=MASTER):
-            j = idx[i : i + micro_batch_size]
-            query = torch.from_numpy(test["query"][j]).to(device)
-            with torch.no_grad(), ctx:
-                rollout = gpt2.generate(policy, query, pad, response_length, eos, 0.0)
-                response = rollout.response
-                scores = gpt2.get_reward(reward_model, query, response, pad, eos)
-            scores = penalised_scores(scores, response, eos, args.penalty_reward_value)
-            sums["score"] += scores.sum()
-            if meta.get("task"):
-                answers = test["ground_truth"][j]
-                correct = data.verify_batch(meta, response.tolist(), answers)
-                sums["correct"] += sum(correct)
-        totals = all_reduce_dict(sums)
-        metrics = {"eval/score": totals["score"] / max(n, 1)}
-        if meta.get("task"):
-            metrics["eval/accuracy"] = totals["correct"] / max(n, 1)
-        if n_pairs:
-            logps = data.split_logprobs(policy, pref, n_pairs, micro_batch_size, ctx)
-            accuracy = data.preference_accuracy(logps, ref_pair_logps)
-            metrics["eval/preference_accuracy"] = accuracy
-        return metrics
-
-    show = (
-        "objective/scores",
-        "objective/kl",
-        "policy/approxkl_avg",
-        "eval/accuracy",
-        "perf/episodes_per_sec",
-    )
     if start == 0 and args.eval_size > 0:
         # The starting policy's numbers, to compare against.
-        log_metrics(args.out_dir, 0, evaluate(), show)
+        log_metrics(args, 0, evaluate(), SHOW)
 
     # 4. training loop: one permutation of the prompts per pass over them, keyed by
     # (seed, pass); rank r takes its slice of each global batch, so any number of ranks
@@ -614,7 +558,6 @@ def main(args: Args):
         noise = rng.random((args.batch_size, response_length))
         noise = torch.from_numpy(noise[rank_rows]).float().to(device)
         responses = []
-        sampler_logprobs = []
         with ctx:
             for i in micro_idx:
                 query = b_query[i]
@@ -626,24 +569,19 @@ def main(args: Args):
                     eos_token_id=eos,
                     temperature=temperature,
                     noise=noise[i],
-                    top_k=args.top_k,
-                    top_p=args.top_p,
                 )
                 responses.append(rollout.response)
-                sampler_logprobs.append(rollout.logprobs)
         b_response = torch.cat(responses)
-        b_sampler_logprobs = torch.cat(sampler_logprobs)
 
         # 4.2 truncate at the first stop token (the mask keeps it); the columns past
         # every stop go
         b_query, b_response = gpt2.trim_padding(b_query, b_response, pad, eos)
         # b_mask (B, Tr): the response tokens up to and including the stop token
         b_mask = gpt2.response_mask(b_response, eos)
-        b_sampler_logprobs = b_sampler_logprobs[:, : b_response.size(1)]
 
-        # 4.3 score: log-probs under the policy (from the training forward, so that the
-        # first minibatch's ratio is exactly 1) and the reference, values, the reward
-        # model's scores
+        # 4.3 score: log-probs under the policy (pi_old: the trainer's forward, so that the
+        # first minibatch's ratio is exactly 1, whatever the sampler's rounding) and the
+        # reference, values, the reward model's scores
         logprobs_parts = []
         ref_logprobs_parts = []
         values_parts = []
@@ -652,9 +590,7 @@ def main(args: Args):
             for i in micro_idx:
                 query = b_query[i]
                 response = b_response[i]
-                logprobs = policy_logprobs(query, response)[0]
-                # The reference on its full tempered distribution: a token of the policy's
-                # nucleus may lie outside the reference's (-inf there); TRL and verl alike.
+                logprobs = gpt2.logprobs(fwd_policy, query, response, temperature)[0]
                 ref_logprobs = gpt2.logprobs(ref_policy, query, response, temperature)[0]
                 values = forward_values(fwd_value, query, response, pad, eos)
                 scores = gpt2.get_reward(reward_model, query, response, pad, eos)
@@ -667,14 +603,6 @@ def main(args: Args):
         b_values = torch.cat(values_parts)
         b_scores = torch.cat(scores_parts)
         b_scores = penalised_scores(b_scores, b_response, eos, args.penalty_reward_value)
-        # the sampler-trainer gap: pi_old (the training forward) / pi_sampler (generate's)
-        b_is_weights, b_is_ratio = sampler_correction(
-            old_logprobs=b_logprobs,
-            sampler_logprobs=b_sampler_logprobs,
-            mask=b_mask,
-            mode=correction,
-            cap=args.sampler_cap,
-        )
 
         # 4.4 per-token rewards: the KL penalty at every token, the score at the last one
         rewards, non_score_reward, kl = per_token_rewards(
@@ -701,8 +629,6 @@ def main(args: Args):
         lr = args.lr * (1 - update / num_updates) if args.anneal_lr else args.lr
         for group in policy_opt.param_groups + value_opt.param_groups:
             group["lr"] = lr
-        # The entropy on logging updates, and for a bonus on every one.
-        need_entropy = log_now or entropy_in_loss
         # Sums over the tokens of every epoch and minibatch, in float64.
         token_sums = defaultdict(float)
         shuffle = np.random.default_rng([args.seed, update, 3])
@@ -719,20 +645,17 @@ def main(args: Args):
                     query = b_query[idx]
                     response = b_response[idx]
                     mask = b_mask[idx]
-                    logprobs = b_logprobs[idx]
                     with ctx:
-                        new_logprobs, entropy = policy_logprobs(
-                            query, response, entropy=need_entropy
+                        new_logprobs, entropy = gpt2.logprobs(
+                            fwd_policy, query, response, temperature, entropy=log_now
                         )
                         vpred = forward_values(fwd_value, query, response, pad, eos)
                     pg_losses, ratio, pg_clipped = policy_loss(
                         new_logprobs=new_logprobs,
-                        logprobs=logprobs,
+                        logprobs=b_logprobs[idx],
                         advantages=b_advantages[idx],
                         cliprange=args.cliprange,
-                        dual_clip=args.dual_clip,
                     )
-                    pg_losses = pg_losses * b_is_weights[idx]
                     vf_losses, vf_clipped = value_loss(
                         vpred=vpred,
                         values=b_values[idx],
@@ -740,16 +663,13 @@ def main(args: Args):
                         cliprange_value=args.cliprange_value,
                     )
                     losses = pg_losses + args.vf_coef * vf_losses
-                    if entropy_bonus:
-                        # The bonus on the token mean entropy, a token mean as the loss.
-                        losses = losses - entropy_bonus * entropy
                     loss = (losses * mask).sum()
                     # FSDP2 averages gradients over ranks: times world_size makes
                     # sum / global count.
                     (loss * world_size / n_tokens).backward()
 
                     with torch.no_grad():
-                        approxkl = 0.5 * (new_logprobs - logprobs) ** 2
+                        approxkl = 0.5 * (new_logprobs - b_logprobs[idx]) ** 2
                         stats = {
                             "pg_loss": pg_losses,
                             "vf_loss": vf_losses,
@@ -767,7 +687,7 @@ def main(args: Args):
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 
-        # 4.7 statistics of the global batch in one all-reduce, the controllers, log,
+        # 4.7 statistics of the global batch in one all-reduce, the KL controller, log,
         # checkpoint
         sums = {
             "kl": kl.sum(),
@@ -777,85 +697,31 @@ def main(args: Args):
             "stopped": (b_response == eos).any(1).sum(),
             "tokens": b_mask.sum() * args.num_ppo_epochs,
         }
-        # the sampler-trainer gap: its sums, then its extremes over every rank
-        gap, gap_max = sampler_gap(
-            old_logprobs=b_logprobs,
-            sampler_logprobs=b_sampler_logprobs,
-            ratio=b_is_ratio,
-            mask=b_mask,
-            cap=args.sampler_cap,
-        )
-        sums["mismatch_k3"] = gap["k3"]
-        sums["mismatch_outside"] = gap["outside"]
-        sums["response_tokens"] = gap["tokens"]
-        if dist.is_initialized():
-            dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
-        sums |= token_sums
-        totals = all_reduce_dict(sums)
+        totals = all_reduce_dict(sums | token_sums)
         if not all(math.isfinite(total) for total in totals.values()):
             raise RunError(
                 f"non-finite PPO statistics at update {done}: lower --lr and continue with "
                 f"--resume --out_dir {args.out_dir}"
             )
-        tokens = totals["tokens"]
-        mean_kl = totals["kl"] / args.batch_size
-        mean_ratio = totals["ratio"] / tokens
-        rlhf_reward = totals["scores"] + totals["non_score_reward"]
-        # Var[ratio] = E[ratio^2] - E[ratio]^2, which rounding can take a hair below 0
-        ratio_var = max(0.0, totals["ratio_squared"] / tokens - mean_ratio**2)
-        metrics = {
-            "objective/kl": mean_kl,
-            "objective/entropy": totals["neg_logprob"] / args.batch_size,
-            "objective/non_score_reward": totals["non_score_reward"] / args.batch_size,
-            "objective/scores": totals["scores"] / args.batch_size,
-            "objective/rlhf_reward": rlhf_reward / args.batch_size,
-            "objective/kl_coef": kl_coef,
-            "loss/policy_avg": totals["pg_loss"] / tokens,
-            "loss/value_avg": totals["vf_loss"] / tokens,
-            "policy/approxkl_avg": totals["approxkl"] / tokens,
-            "policy/clipfrac_avg": totals["pg_clipfrac"] / tokens,
-            "val/clipfrac_avg": totals["vf_clipfrac"] / tokens,
-            "val/ratio": mean_ratio,
-            "val/ratio_var": ratio_var,
-            "val/stop_frac": totals["stopped"] / args.batch_size,
-            "mismatch/k3_kl": totals["mismatch_k3"] / totals["response_tokens"],
-            "mismatch/outside_frac": totals["mismatch_outside"] / totals["response_tokens"],
-            "train/lr": lr,
-        }
-        ratio_max, inverse_max = gap_max.tolist()
-        metrics["mismatch/ratio_max"] = ratio_max
-        # no response token at all: no ratio either
-        metrics["mismatch/ratio_min"] = 1 / inverse_max if inverse_max > 0 else 0.0
-        if entropy_in_loss:
-            metrics["policy/entropy_coef"] = entropy_bonus
-        if args.entropy_target is not None:
-            # The next update's coefficient, from this update's entropy.
-            mean_entropy = totals["entropy"] / tokens
-            entropy_coef, entropy_bonus = adaptive_entropy_coef(
-                coef=entropy_coef,
-                entropy=mean_entropy,
-                target=args.entropy_target,
-                delta=args.entropy_coef_delta,
-            )
+        metrics = update_metrics(totals, args.batch_size, kl_coef, lr)
         if args.adaptive_kl:
             kl_coef = adaptive_kl_coef(
                 kl_coef=kl_coef,
-                kl=mean_kl,
+                kl=metrics["objective/kl"],
                 target=args.target_kl,
                 n_steps=args.batch_size,
                 horizon=args.kl_horizon,
             )
         episodes += args.batch_size
         if log_now:
-            metrics["policy/entropy_avg"] = totals["entropy"] / tokens
+            metrics["policy/entropy_avg"] = totals["entropy"] / totals["tokens"]
             metrics["perf/episodes_per_sec"] = episodes / (time.time() - t0)
             if eval_now and args.eval_size > 0:
                 metrics |= evaluate()
-            log_metrics(args.out_dir, done, metrics, show)
+            log_metrics(args, done, metrics, SHOW)
             t0 = time.time()
             episodes = 0
-        extra = dict(kl_coef=kl_coef, entropy_coef=entropy_coef, entropy_bonus=entropy_bonus)
-        checkpoint(args, done, models, device, due=eval_now, extra=extra)
+        checkpoint(args, done, models, device, due=eval_now, extra=dict(kl_coef=kl_coef))
 
     # 5. the final policy in the HF GPT-2 layout
     gpt2.save(policy, args.out_dir)
@@ -864,17 +730,28 @@ def main(args: Args):
 
 # ----------------------------------------------------------------------------------------------
 # ---- plumbing: identical in every script (tests/test_copies.py)
-# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm.
+# torchrun, the run directory, resumable checkpoints, metrics: not the algorithm. What a run does
+# to the process that calls main() (a SIGTERM handler, the allocator's settings, the run dir and
+# its `latest` link; the process's end under torchrun): docs/faults.md.
 RunError = gpt2.RunError
-MASTER = os.environ.get("RANK", "0") == "0"
 # A cluster's preemption sends SIGTERM: every rank then saves at the same step
 # (checkpoint).
 SIGTERM = []
+# Seconds the other ranks give rank 0 to print a RunError that every rank met.
+RANK_EXIT_DELAY = 5
+
+
+def is_master():
+    """Rank 0, or the only process: the one that writes the run dir and prints."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def setup_distributed():
-    """(rank, world_size, device); under torchrun, a process group: nccl on CUDA, gloo on CPU."""
+    """(rank, world_size, device); under torchrun, a process group: nccl on CUDA, gloo on CPU.
+    The process keeps freed buffers (gpt2.keep_freed_memory) and takes SIGTERM as a request to
+    save a checkpoint and stop."""
     gpt2.keep_freed_memory()
+    SIGTERM.clear()
     signal.signal(signal.SIGTERM, lambda *_: SIGTERM.append(True))
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -892,8 +769,16 @@ def setup_distributed():
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
-    atexit.register(dist.destroy_process_group)
+    # A run that stops on an exception still ends its process group.
+    atexit.register(end_process_group)
     return rank, world_size, device
+
+
+def end_process_group():
+    """Destroy the process group, if one is left (at exit, after a run that stopped on an
+    exception)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def start_run(args, algo):
@@ -901,7 +786,7 @@ def start_run(args, algo):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or f"runs/{algo}/{stamp}-s{args.seed}"
     claim = [None, None]
-    if MASTER:
+    if is_master():
         claim = [claim_run_dir(out_dir, args, algo), out_dir]
     # Every rank takes rank 0's name: their clocks may differ.
     if dist.is_initialized():
@@ -909,7 +794,7 @@ def start_run(args, algo):
     problem, out_dir = claim
     if problem:
         raise RunError(problem)
-    if MASTER and args.wandb:
+    if is_master() and args.wandb:
         # Imported only when asked for.
         wandb = __import__("wandb")
         name = os.path.basename(out_dir)
@@ -967,7 +852,7 @@ def checkpoint(args, step, models, device, due, extra=None):
     # Each model in the HF layout, with its optimizer.pt if it has an optimizer.
     for name, (model, optimizer) in models.items():
         gpt2.save(model, f"{root}/.tmp/{name}", optimizer)
-    if MASTER:
+    if is_master():
         torch.save(dict(step=step, **(extra or {})), f"{root}/.tmp/state.pt")
         # A save killed midway leaves .tmp, never a partial step_N. After a resume, a
         # step can be saved again.
@@ -1003,7 +888,7 @@ def newest_complete_checkpoint(out_dir, models):
 
 def load_checkpoint(out_dir, models):
     """--resume: rank 0 picks the checkpoint, and every rank loads it, at any world size."""
-    box = [newest_complete_checkpoint(out_dir, models) if MASTER else None]
+    box = [newest_complete_checkpoint(out_dir, models) if is_master() else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     path = box[0]
@@ -1012,7 +897,7 @@ def load_checkpoint(out_dir, models):
     state = torch.load(f"{path}/state.pt", weights_only=True)
     for name, (model, optimizer) in models.items():
         gpt2.load_weights(model, f"{path}/{name}", optimizer)
-    if MASTER:
+    if is_master():
         print(f"resumed from {path} at step {state['step']}", flush=True)
         # The rows a killed run logged after this checkpoint will be logged again: cut
         # them, in one call, so that a kill leaves either every row or these. The rows
@@ -1023,34 +908,67 @@ def load_checkpoint(out_dir, models):
     return state
 
 
-def log_metrics(out_dir, step, metrics, show):
-    """Rank 0: one JSON row in metrics.jsonl (every metric) and one status line (`show`)."""
-    if not MASTER:
+def log_metrics(args, step, metrics, show):
+    """Rank 0: one JSON row in metrics.jsonl (every metric), one status line (`show`), and
+    with --wandb, the row to Weights & Biases."""
+    if not is_master():
         return
-    with open(f"{out_dir}/metrics.jsonl", "a") as f:
+    with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": step, **metrics}) + "\n")
     status = " | ".join(f"{k} {metrics[k]:.4g}" for k in show if k in metrics)
     print(f"step {step:5d} | {status}", flush=True)
-    if "wandb" in sys.modules:
+    if args.wandb:
         sys.modules["wandb"].log(metrics, step=step)
 
 
 def finish_run(args, algo):
-    """After the final save: runs/<algo>/latest, where the next stage looks, links this run."""
-    if MASTER and os.path.dirname(args.out_dir) == f"runs/{algo}":
+    """After the final save: runs/<algo>/latest, where the next stage looks, links this run;
+    the process group ends, and main() returns on every rank."""
+    if is_master() and os.path.dirname(args.out_dir) == f"runs/{algo}":
         # A new link under this process's own name, renamed over the old one: no reader
         # ever finds no link, and no other run shares the temporary name.
         link = f"runs/{algo}/.latest.{os.getpid()}"
         os.symlink(os.path.basename(args.out_dir), link)
         os.replace(link, f"runs/{algo}/latest")
-    if MASTER and "wandb" in sys.modules:
+    if is_master() and args.wandb:
         sys.modules["wandb"].finish()
     if dist.is_initialized():
-        # gloo's threads can abort the interpreter's teardown: skip it.
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)
+        # Every rank is done with its collectives before any tears down its connections.
+        dist.barrier()
+    end_process_group()
+
+
+def parse_args(argv):
+    """Args from the command line (tyro). A flag that lives in a sibling script (MOVED) is one
+    line naming that script."""
+    for arg in argv:
+        flag = arg.split("=")[0].removeprefix("--").replace("-", "_")
+        # a boolean's --no_ form is its flag too
+        flag = flag if flag in MOVED else flag.removeprefix("no_")
+        if arg.startswith("--") and flag in MOVED:
+            sibling = MOVED[flag]
+            raise RunError(f"--{flag} lives in {sibling}: run `python {sibling} --{flag} ...`")
+    return tyro.cli(Args, args=argv, use_underscores=True)
+
+
+def exit_on(error):
+    """The end of a run stopped by a RunError: its one line on rank 0 and exit status 1 on
+    every rank. The other ranks exit a moment later: torchrun stops every rank when one fails,
+    and rank 0, a moment behind on a loaded machine, would be stopped before its line."""
+    if is_master():
+        sys.exit(f"error: {error}")
+    time.sleep(RANK_EXIT_DELAY)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    try:
+        main(parse_args(sys.argv[1:]))
+    except RunError as e:
+        exit_on(e)
+    # Under torchrun, gloo's threads can abort the interpreter's teardown after main() has
+    # returned (docs/faults.md): the process ends here instead.
+    if "RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

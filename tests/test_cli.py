@@ -1,6 +1,7 @@
 """The command line as a new user meets it: flags spelled as README and docs write them, and a resume
 pointed at another script's run dir named as such."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -10,7 +11,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
-SCRIPTS = ["sft.py", "reward.py", "dpo.py", "ppo.py", "grpo.py"]
+SCRIPTS = [
+    "sft.py",
+    "reward.py",
+    "dpo.py",
+    "ppo.py",
+    "ppo_variants.py",
+    "grpo.py",
+    "grpo_variants.py",
+]
 
 
 def run(*args):
@@ -19,12 +28,22 @@ def run(*args):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_help_spells_flags_with_underscores(script):
-    """README and docs write --micro_batch_size: --help prints the same spelling."""
-    p = run(script, "--help")
+def test_help_spells_flags_with_underscores(script, capsys):
+    """README and docs write --micro_batch_size: --help prints the same spelling. In this process,
+    through the parser each script's __main__ calls (parse_args); as a user runs it: the next."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert "--micro_batch_size" in out or "--num_minibatches" in out, out
+    assert "--out-dir" not in out and "--out_dir" in out
+
+
+def test_help_as_a_user_runs_it():
+    p = run("grpo.py", "--help")
     assert p.returncode == 0, p.stderr
-    assert "--micro_batch_size" in p.stdout or "--num_minibatches" in p.stdout, p.stdout
-    assert "--out-dir" not in p.stdout and "--out_dir" in p.stdout
+    assert "--micro_batch_size" in p.stdout and "--out_dir" in p.stdout, p.stdout
 
 
 def test_resume_names_the_script_whose_run_it_is(tmp_path):
@@ -39,14 +58,18 @@ def test_resume_names_the_script_whose_run_it_is(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-# Rank 0 reaches the error a second after rank 1, as a loaded machine can make it.
+# Rank 0 reaches the error a second after rank 1, as a loaded machine can make it; each ends as a
+# script's __main__ ends a RunError (the plumbing's exit_on, the same in every script).
 LATE_RANK_0 = f"""
 import os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
-import gpt2
+import gpt2, sft
 if os.environ["RANK"] == "0":
     time.sleep(1)
-raise gpt2.RunError("the same problem on every rank")
+try:
+    raise gpt2.RunError("the same problem on every rank")
+except gpt2.RunError as e:
+    sft.exit_on(e)
 """
 
 

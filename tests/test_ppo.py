@@ -1,10 +1,12 @@
 """ppo.py: GAE vs a scalar loop and vs the discount-matrix closed form, masked whitening, the KL
-controller, the per-token rewards and the missing-stop penalty, PPO invariants, dual-clip by
-hand, the inline AdamTF vs adam_tf.py, pad != eos, a tiny end-to-end run (adaptive KL,
-dual-clip, adaptive entropy bonus, the preference-pair eval, checkpoints, resume ==
-uninterrupted with AdamTF), the reference = the starting policy, 1 process == 2 ranks (FSDP2,
-gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint resumed at 2 ranks and at
-1, one-line errors. Log-probs at the temperature: tests/test_gpt2.py."""
+controller, the per-token rewards and the missing-stop penalty, PPO invariants, the inline AdamTF
+vs adam_tf.py, pad != eos, a tiny end-to-end run (adaptive KL, the preference-pair eval,
+checkpoints, resume == uninterrupted with AdamTF), the reference = the starting policy, 1 process
+== 2 ranks (FSDP2, gloo) with the first minibatch's ratio exactly 1, a 2-rank checkpoint resumed
+at 2 ranks and at 1, one-line errors. ppo_variants.py: dual-clip by hand, the adaptive entropy
+bonus and dual-clip in the same tiny run, top-k/top-p's first minibatch, its one-line errors, and
+at its defaults it is ppo.py bit for bit. Its sampler correction: tests/test_sampler_correction.py.
+Log-probs at the temperature: tests/test_gpt2.py."""
 
 import json
 import os
@@ -19,6 +21,7 @@ import torch
 import adam_tf
 import gpt2
 import ppo
+import ppo_variants
 from failed_run import why
 from runs import error_line
 
@@ -151,15 +154,17 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
         (3.0, [3, 2, -1.2], [0, 2, 0]),
     ):
         new = torch.tensor([5.0, 2.0, 5.0]).log().requires_grad_(True)
-        loss = ppo.policy_loss(new, old, adv, 0.2, dual_clip)[0]
+        loss = ppo_variants.policy_loss(new, old, adv, 0.2, dual_clip)[0]
         loss.sum().backward()
         assert loss.tolist() == pytest.approx(want_loss)
         assert new.grad.tolist() == pytest.approx(want_grad)  # d(-A rho) / d log pi
 
 
-def test_adaptive_entropy_coef_steps_toward_the_target():  # grpo.py's copy: tests/test_copies.py
-    assert ppo.adaptive_entropy_coef(0.01, 0.1, 0.2, 0.005) == pytest.approx((0.015, 0.015))
-    assert ppo.adaptive_entropy_coef(0.01, 0.3, 0.2, 0.005) == pytest.approx((0.005, 0.0))
+def test_adaptive_entropy_coef_steps_toward_the_target():  # grpo_variants.py's: test_copies.py
+    assert ppo_variants.adaptive_entropy_coef(0.01, 0.1, 0.2, 0.005) == pytest.approx(
+        (0.015, 0.015)
+    )
+    assert ppo_variants.adaptive_entropy_coef(0.01, 0.3, 0.2, 0.005) == pytest.approx((0.005, 0.0))
 
 
 def test_inline_adam_tf_steps_like_adam_tf_py():  # tests/test_copies.py checks the source
@@ -223,7 +228,7 @@ def models(tmp_path_factory):
     return d
 
 
-def run(models, out, *flags, nproc=0, check=True):
+def run(models, out, *flags, nproc=0, check=True, script="ppo.py"):
     launcher = [sys.executable]
     if nproc:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -231,7 +236,7 @@ def run(models, out, *flags, nproc=0, check=True):
     args += ["--out_dir", str(out), "--batch_size", "16", "--micro_batch_size", "4"]
     args += ["--response_length", "6", "--eval_size", "16", "--log_every", "1", *flags]
     p = subprocess.run(
-        launcher + ["ppo.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+        launcher + [script, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
     )
     if check:
         assert p.returncode == 0, why(p)
@@ -242,16 +247,46 @@ def metrics(out):
     return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
 
 
-def test_tiny_run_adaptive_kl_checkpoints_and_resume(models, tmp_path):
-    flags = ["--total_episodes", "48", "--num_minibatches", "2", "--eval_every", "2"]
-    flags += ["--target_kl", "0.01", "--kl_horizon", "100", "--kl_coef", "0.1", "--dual_clip", "3"]
-    flags += ["--entropy_target", "100", "--entropy_coef", "0.01"]  # always below: c rises
-    run(models, tmp_path / "full", *flags)  # AdamTF, the default
-    m = metrics(tmp_path / "full")
+# The tiny end-to-end run's flags: adaptive KL with a target it is far from, 2 minibatches, a
+# checkpoint at step 2.
+ADAPTIVE = ["--total_episodes", "48", "--num_minibatches", "2", "--eval_every", "2"]
+ADAPTIVE += ["--target_kl", "0.01", "--kl_horizon", "100", "--kl_coef", "0.1"]
+# ppo_variants.py's options in it: dual-clip, and an entropy target always above the entropy, so
+# that the coefficient rises
+VARIANTS = ["--dual_clip", "3", "--entropy_target", "100", "--entropy_coef", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def adaptive_runs(models, tmp_path_factory):
+    """The tiny run of ADAPTIVE by ppo.py, then by ppo_variants.py with its options, each resumed
+    from its step-2 checkpoint in a fresh dir, made when first asked for: the end-to-end test reads
+    both; the bit-equality test reads ppo.py's. -> {script: its dir}"""
+    made = {}
+
+    def runs(script):
+        if script not in made:
+            out = tmp_path_factory.mktemp(script.removesuffix(".py"))
+            flags = ADAPTIVE + (VARIANTS if script == "ppo_variants.py" else [])
+            run(models, out / "full", *flags, script=script)  # AdamTF, the default
+            ckpt = out / "full" / "checkpoints" / "step_00000002"
+            shutil.copytree(ckpt, out / "re" / "checkpoints" / ckpt.name)
+            run(models, out / "re", *flags, "--resume", script=script)
+            made[script] = out
+        return made[script]
+
+    return runs
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_variants.py"])
+def test_tiny_run_adaptive_kl_checkpoints_and_resume(adaptive_runs, script):
+    out = adaptive_runs(script)
+    m = metrics(out / "full")
     assert [r["step"] for r in m] == [0, 1, 2, 3] and "eval/score" in m[0]
     assert m[0]["eval/preference_accuracy"] == 0.5  # the policy is its reference: every r = 0
-    # the bonus applied: none before a first entropy below the target, then c0 + delta, + delta
-    assert [r["policy/entropy_coef"] for r in m[1:]] == pytest.approx([0.0, 0.015, 0.02])
+    if script == "ppo_variants.py":
+        # the bonus applied: none before a first entropy below the target, then c0 + delta,
+        # + delta
+        assert [r["policy/entropy_coef"] for r in m[1:]] == pytest.approx([0.0, 0.015, 0.02])
     assert "eval/accuracy" in m[-1] and "eval/score" in m[-1]
     assert m[1]["objective/kl"] == 0  # the reference is the starting policy
     for r in m[1:]:  # the logged objectives add up
@@ -263,22 +298,46 @@ def test_tiny_run_adaptive_kl_checkpoints_and_resume(models, tmp_path):
         coef = ppo.adaptive_kl_coef(a["objective/kl_coef"], a["objective/kl"], 0.01, 16, 100)
         assert b["objective/kl_coef"] == pytest.approx(coef)
     assert m[-1]["objective/kl"] != 0 and m[-1]["objective/kl_coef"] != 0.1  # the policy moved
-    checkpoints = tmp_path / "full" / "checkpoints"
+    checkpoints = out / "full" / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == ["step_00000002", "step_00000003"]
     assert sorted(os.listdir(checkpoints / "step_00000002")) == ["policy", "state.pt", "value"]
-    assert gpt2.load(str(tmp_path / "full")).config.n_layer == 4
+    assert gpt2.load(str(out / "full")).config.n_layer == 4
     value = gpt2.load(str(checkpoints / "step_00000003" / "value"), head="saved")
     assert value.reward_gain == 1.0 and value.reward_bias == 0.0  # the zero head: no RM gain
     assert value.score.weight.abs().sum() > 0  # trained away from zero
-    # restart from the step-2 checkpoint (policy, value, both AdamTF states, kl_coef) in a fresh dir
-    ckpt = checkpoints / "step_00000002"
-    shutil.copytree(ckpt, tmp_path / "re" / "checkpoints" / ckpt.name)
-    run(models, tmp_path / "re", *flags, "--resume")
-    resumed = metrics(tmp_path / "re")
+    # restarted from the step-2 checkpoint (policy, value, both AdamTF states, kl_coef, and the
+    # entropy coefficient) in a fresh dir
+    resumed = metrics(out / "re")
     assert [r["step"] for r in resumed] == [3]
     assert resumed[0].keys() == m[-1].keys()
     for k, v in resumed[0].items():
         assert k.startswith("perf/") or abs(v - m[-1][k]) < 1e-5, (k, v, m[-1][k])
+
+
+def test_ppo_variants_at_its_defaults_is_ppo_bit_for_bit(models, adaptive_runs, tmp_path):
+    """ppo.py's tiny run (it learns: its KL and coefficient move) again by ppo_variants.py with no
+    option of its own: every metric but the wall clock's, to the bit."""
+    plain = metrics(adaptive_runs("ppo.py") / "full")
+    run(models, tmp_path, *ADAPTIVE, script="ppo_variants.py")
+    sibling = metrics(tmp_path)
+    assert [r["step"] for r in plain] == [r["step"] for r in sibling] == [0, 1, 2, 3]
+    assert plain[-1]["objective/kl"] > 0 and plain[-1]["policy/approxkl_avg"] > 0
+    for x, y in zip(plain, sibling):
+        assert {k: v for k, v in x.items() if not k.startswith("perf/")} == {
+            k: v for k, v in y.items() if not k.startswith("perf/")
+        }
+
+
+def test_a_flag_of_ppo_variants_is_one_line_naming_it():
+    with pytest.raises(gpt2.RunError) as e:
+        ppo.parse_args(["--dual_clip", "3"])
+    assert (
+        str(e.value)
+        == "--dual_clip lives in ppo_variants.py: run `python ppo_variants.py --dual_clip ...`"
+    )
+    assert set(ppo.MOVED) == set(ppo_variants.Args.__dataclass_fields__) - set(
+        ppo.Args.__dataclass_fields__
+    )
 
 
 def test_tiny_run_learns_what_the_reward_model_prefers(models, tmp_path):
@@ -316,7 +375,7 @@ def test_top_p_first_minibatch_ratio_is_one(models, tmp_path):
     forward: ratio exactly 1. The reference keeps the full distribution: a KL > 0 at step 1."""
     flags = ["--total_episodes", "16", "--num_ppo_epochs", "1", "--num_minibatches", "1"]
     flags += ["--eval_size", "0", "--top_k", "20", "--top_p", "0.9"]
-    run(models, tmp_path, "--model", "tiny", *flags)
+    run(models, tmp_path, "--model", "tiny", *flags, script="ppo_variants.py")
     (m,) = metrics(tmp_path)
     assert m["step"] == 1 and m["val/ratio"] == 1 and m["policy/approxkl_avg"] == 0
     assert m["objective/kl"] > 0
@@ -366,16 +425,19 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(models, tmp_
         (["--gamma", "1.5"], "--gamma 1.5"),
         (["--top_k", "-1"], "--top_k -1: must be at least 0"),
         (["--top_p", "0"], "--top_p 0.0: must be in (0, 1]"),
+        (["--dual_clip", "0.5"], "--dual_clip 0.5: must be a finite number > 1"),
         (["--lr", "1e12"], "non-finite PPO statistics at update 1"),  # diverges at once
     ],
 )
 def test_bad_flags_give_one_line_errors(models, tmp_path, flags, expected):
-    """In this process, with run()'s flags; as a user runs one: the next test."""
+    """In this process, with run()'s flags, by ppo.py (ppo_variants.py for its own flags); as a
+    user runs one: the next test."""
+    script = ppo_variants if flags[0] in ("--top_k", "--top_p", "--dual_clip") else ppo
     flags = [str(models / "sft") if f == "SFT" else f for f in flags]
     args = ["--model", str(models / "sft"), "--reward_model", str(models / "rm")]
     args += ["--out_dir", str(tmp_path / "x"), "--batch_size", "16", "--micro_batch_size", "4"]
     args += ["--response_length", "6", "--eval_size", "16", "--log_every", "1"]
-    line = error_line(ppo, [*args, "--total_episodes", "16", *flags])
+    line = error_line(script, [*args, "--total_episodes", "16", *flags])
     assert expected in line, line
     # a flag or model problem leaves no run dir (one that needs --overwrite); the NaN comes later
     assert (tmp_path / "x").exists() == ("1e12" in flags)

@@ -1,9 +1,10 @@
-"""The sampler-trainer correction (grpo.py and ppo.py, --sampler_correction, --sampler_cap):
+"""The sampler-trainer correction (grpo_variants.py and ppo_variants.py, --sampler_correction, --sampler_cap):
 - each mode's weights against a hand computation, and exactly 1 when the two sides agree bitwise;
 - end to end, with the sampler's log-probs shifted on purpose (gpt2.generate wrapped in process):
   truncation doubles the policy loss at C = 2, masking drops it, the mismatch metrics see the gap,
-  and no correction ("none", the fp32 default) leaves the run as it was;
-- the fp32 default ("auto") is "none", bit for bit; 1 rank = 2 ranks with a correction on;
+  and no correction ("none") leaves the run as it was;
+- "auto" in fp32 is "none", bit for bit, and the default "off" the same run less its mismatch
+  metrics; 1 rank = 2 ranks with a correction on;
 - a cap below 1 is a one-line error in both scripts."""
 
 import json
@@ -17,9 +18,10 @@ import pytest
 import torch
 
 import gpt2
-import grpo
-import ppo
+import grpo_variants
+import ppo_variants
 from failed_run import why
+from runs import error_line
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -31,7 +33,7 @@ SMALL = (
 ).split()
 
 
-def run(args, nproc=0, script="grpo.py"):
+def run(args, nproc=0, script="grpo_variants.py"):
     cmd = [*TORCHRUN, str(nproc), script, *args] if nproc else [sys.executable, script, *args]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, why(p)
@@ -62,7 +64,7 @@ def test_weights_by_hand(mode):
     sampler = torch.tensor(SAMPLER)
     mask = torch.tensor(MASK)
     cap = 2.0
-    weights, ratio = grpo.sampler_correction(old, sampler, mask, mode, cap)
+    weights, ratio = grpo_variants.sampler_correction(old, sampler, mask, mode, cap)
     # token ratios pi_old / pi_sampler: e^0.5, e^-1, 1 | e^-0.2, e^-0.8, (padding) 1
     token = [[math.exp(0.5), math.exp(-1.0), 1.0], [math.exp(-0.2), math.exp(-0.8), 1.0]]
     if mode.startswith("sequence"):
@@ -85,9 +87,9 @@ def test_mask_modes_drop_ratios_on_either_side_of_the_band():
     # ratios 4, 1.5, 1/1.5 and 1/4 against C = 2: the first and last leave [1/2, 2]
     sampler = -torch.tensor([[math.log(4), math.log(1.5), -math.log(1.5), -math.log(4)]])
     mask = torch.ones(1, 4)
-    weights, _ = grpo.sampler_correction(old, sampler, mask, "token_mask", 2.0)
+    weights, _ = grpo_variants.sampler_correction(old, sampler, mask, "token_mask", 2.0)
     torch.testing.assert_close(weights, torch.tensor([[0.0, 1.5, 1 / 1.5, 0.0]]))
-    weights, _ = grpo.sampler_correction(old, sampler, mask, "token_truncate", 2.0)
+    weights, _ = grpo_variants.sampler_correction(old, sampler, mask, "token_truncate", 2.0)
     torch.testing.assert_close(weights, torch.tensor([[2.0, 1.5, 1 / 1.5, 0.25]]))
 
 
@@ -97,14 +99,16 @@ def test_equal_log_probs_give_weights_of_exactly_one(mode):
     torch.manual_seed(0)
     logprobs = -torch.rand(8, 5) * 3
     mask = (torch.rand(8, 5) > 0.2).float()
-    weights, ratio = grpo.sampler_correction(logprobs, logprobs.clone(), mask, mode, 2.0)
+    weights, ratio = grpo_variants.sampler_correction(logprobs, logprobs.clone(), mask, mode, 2.0)
     assert torch.equal(weights, torch.ones(8, 5)) and torch.equal(ratio, torch.ones(8, 5))
 
 
 def test_ppo_copy_is_grpo_s():
-    """tests/test_copies.py checks the sources; this checks the copy ppo.py imports runs."""
+    """tests/test_copies.py checks the sources; this checks that ppo_variants.py's copy runs."""
     args = (torch.tensor(OLD), torch.tensor(SAMPLER), torch.tensor(MASK), "sequence_mask", 3.0)
-    for a, b in zip(grpo.sampler_correction(*args), ppo.sampler_correction(*args)):
+    for a, b in zip(
+        grpo_variants.sampler_correction(*args), ppo_variants.sampler_correction(*args)
+    ):
         assert torch.equal(a, b)
 
 
@@ -125,7 +129,7 @@ def shifted_generate(shift):
 
 def grpo_run(out_dir, sft_model, flags):
     args = ["--model", sft_model, "--out_dir", str(out_dir), *SMALL, *flags]
-    grpo.main(grpo.tyro.cli(grpo.Args, args=args, use_underscores=True))
+    grpo_variants.main(grpo_variants.tyro.cli(grpo_variants.Args, args=args, use_underscores=True))
     return metrics(out_dir)
 
 
@@ -159,27 +163,33 @@ def test_a_shifted_sampler_is_truncated_or_masked(tmp_path, sft_model, monkeypat
             assert m["loss/policy_avg"] == 0 and m["train/grad_norm"] == 0
 
 
-def test_a_correction_recomputes_pi_old_for_later_minibatches(tmp_path, sft_model, monkeypatch):
-    """With two minibatches the second's pi_old is a forward pass (not the shifted sampler's):
-    its ratio stays near 1, and the mismatch is measured over every token."""
+def test_pi_old_is_the_trainers_for_later_minibatches_whatever_the_correction(
+    tmp_path, sft_model, monkeypatch
+):
+    """With two minibatches the second's pi_old is a forward pass, never the shifted sampler's:
+    its ratio stays near 1 with a correction, with none and with the default (off), and the
+    mismatch is measured over every token. (A sampler's pi_old would give it a ratio of e.)"""
     monkeypatch.setattr(gpt2, "generate", shifted_generate(1.0))
-    flags = ["--num_minibatches", "2", "--sampler_correction", "token_truncate", "--lr", "1e-5"]
-    m = grpo_run(tmp_path / "r", sft_model, flags)[0]
-    assert abs(m["val/ratio"] - 1) < 1e-3 and m["policy/clipfrac_avg"] == 0
-    assert m["mismatch/outside_frac"] == 1.0
-    # no correction: the second minibatch's pi_old is the sampler's, its ratio e
-    flags = ["--num_minibatches", "2", "--sampler_correction", "none", "--lr", "1e-5"]
-    m = grpo_run(tmp_path / "n", sft_model, flags)[0]
-    assert m["val/ratio"] > 1.5 and m["policy/clipfrac_avg"] > 0
+    for mode in ("token_truncate", "none", "off"):
+        flags = ["--num_minibatches", "2", "--sampler_correction", mode, "--lr", "1e-5"]
+        m = grpo_run(tmp_path / mode, sft_model, flags)[0]
+        assert abs(m["val/ratio"] - 1) < 1e-3 and m["policy/clipfrac_avg"] == 0, mode
+        assert mode == "off" or m["mismatch/outside_frac"] == 1.0
 
 
-def test_fp32_default_is_no_correction_bit_for_bit(tmp_path, sft_model):
+def test_fp32_auto_is_no_correction_and_off_the_same_run_bit_for_bit(tmp_path, sft_model):
+    """In fp32, auto is none: the same run, bit for bit. The default, off, is that run too, less
+    the mismatch metrics it does not measure."""
     flags = ["--num_minibatches", "2", "--beta", "0.05"]
-    a = grpo_run(tmp_path / "auto", sft_model, flags)
+    a = grpo_run(tmp_path / "auto", sft_model, [*flags, "--sampler_correction", "auto"])
     b = grpo_run(tmp_path / "none", sft_model, [*flags, "--sampler_correction", "none"])
-    for x, y in zip(a, b):
+    off = grpo_run(tmp_path / "off", sft_model, flags)
+    for x, y, z in zip(a, b, off):
         assert {k: v for k, v in x.items() if not k.startswith("perf/")} == {
             k: v for k, v in y.items() if not k.startswith("perf/")
+        }
+        assert {k: v for k, v in x.items() if not k.startswith(("perf/", "mismatch/"))} == {
+            k: v for k, v in z.items() if not k.startswith("perf/")
         }
     # the trainer and the sampler agree to rounding in fp32
     assert a[0]["mismatch/k3_kl"] < 1e-9 and abs(a[0]["mismatch/ratio_max"] - 1) < 1e-4
@@ -211,7 +221,7 @@ def test_ppo_measures_and_corrects_a_shifted_sampler(tmp_path, monkeypatch):
         args += ["--out_dir", str(tmp_path / mode), "--batch_size", "16", "--micro_batch_size", "4"]
         args += ["--response_length", "6", "--eval_size", "0", "--total_episodes", "16"]
         args += ["--sampler_correction", mode]
-        ppo.main(ppo.tyro.cli(ppo.Args, args=args, use_underscores=True))
+        ppo_variants.main(ppo_variants.tyro.cli(ppo_variants.Args, args=args, use_underscores=True))
         rows[mode] = metrics(tmp_path / mode)[-1]
     for m in rows.values():
         assert m["mismatch/ratio_max"] == pytest.approx(math.e, rel=1e-4)
@@ -219,11 +229,10 @@ def test_ppo_measures_and_corrects_a_shifted_sampler(tmp_path, monkeypatch):
     assert rows["none"]["loss/policy_avg"] != 0 and rows["token_mask"]["loss/policy_avg"] == 0
 
 
-@pytest.mark.parametrize("script", [grpo, ppo])
+@pytest.mark.parametrize("script", [grpo_variants, ppo_variants])
 def test_a_cap_below_one_is_a_one_line_error(tmp_path, script):
     args = ["--out_dir", str(tmp_path / "x"), "--sampler_cap", "0.5", "--model", "tiny"]
-    if script is ppo:
+    if script is ppo_variants:
         args += ["--reward_model", "tiny"]
-    with pytest.raises(gpt2.RunError) as e:
-        script.main(script.tyro.cli(script.Args, args=args, use_underscores=True))
-    assert "--sampler_cap 0.5" in e.value.code and "\n" not in e.value.code, e.value.code
+    line = error_line(script, args)
+    assert "--sampler_cap 0.5" in line, line
