@@ -1,8 +1,9 @@
-"""Every script at any world size (issue 27), on CPU (gloo) with the tiny model, a few steps each:
+"""Every script at any world size (issue 27), on CPU (gloo) with a 2-layer model, a few steps each:
 - 1 rank and 8 ranks end with the same weights (fp32, 1e-5; a rare near-zero-gradient element
   within Adam's bound, see assert_same_weights);
 - 2 nodes x 2 ranks, through torchrun's rendezvous on 127.0.0.1, give the 1-rank weights;
-- a checkpoint written at 2 ranks resumes at 1 and at 4 ranks and ends at the uninterrupted weights;
+- a checkpoint written at 4 ranks (the 2 nodes) resumes at 1 rank, and one written at 1 rank
+  resumes at 2, each ending at the uninterrupted weights;
 - a SIGTERM sent to one rank only makes every rank save one checkpoint, at the same step, and stop.
 These are the suite's slowest tests (8 processes on a few cores): they run last."""
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import gpt2
 from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,9 @@ FLAGS = {
     "sft": "--batch_size 16 --micro_batch_size 2 --warmup_steps 1 --total_steps 3",
     "reward": "--batch_size 16 --micro_batch_size 2 --warmup_steps 1 --total_steps 3 "
     "--norm_samples 16",
-    "dpo": "--batch_size 16 --micro_batch_size 2 --warmup_steps 1 --total_steps 3",
+    # the reference pass covers the pairs trained on, not all of pref_train
+    "dpo": "--batch_size 16 --micro_batch_size 2 --warmup_steps 1 --total_steps 3 "
+    "--max_train_pairs 64",
     "ppo": "--batch_size 16 --micro_batch_size 2 --num_minibatches 1 --total_episodes 48 "
     "--response_length 4",
     "grpo": "--num_prompts_per_step 8 --num_samples_per_prompt 4 --micro_batch_size 4 "
@@ -99,17 +103,28 @@ def assert_same_weights(a, b, script, atol=1e-5):
 @pytest.fixture(scope="module")
 def stage_models(tmp_path_factory):
     """An SFT model and a reward model for the later stages (a few steps each: the wiring, not
-    learning)."""
+    learning), from a random 2-layer GPT-2: half the tiny preset's blocks, so half the FSDP2
+    units whose collectives 8 processes on a few cores wait for."""
     root = tmp_path_factory.mktemp("stages")
-    run("sft", ["--out_dir", str(root / "sft"), *FLAGS["sft"].split(), *COMMON])
+    torch.manual_seed(0)
+    config = gpt2.GPTConfig(block_size=64, vocab_size=257, n_layer=2, n_head=2, n_embd=64)
+    gpt2.save(gpt2.GPT(config), str(root / "init"))
+    sft = ["--model", str(root / "init"), *FLAGS["sft"].split(), *COMMON]
+    run("sft", ["--out_dir", str(root / "sft"), *sft])
     reward = FLAGS["reward"].split()
     run("reward", ["--out_dir", str(root / "rm"), "--model", str(root / "sft"), *reward, *COMMON])
-    return {"--model": str(root / "sft"), "--reward_model": str(root / "rm")}
+    return {
+        "init": str(root / "init"),
+        "--model": str(root / "sft"),
+        "--reward_model": str(root / "rm"),
+    }
 
 
 def flags(script, stage_models):
     out = FLAGS[script].split() + COMMON
-    if script != "sft":
+    if script == "sft":
+        out += ["--model", stage_models["init"]]
+    else:
         out += ["--model", stage_models["--model"]]
     if script == "ppo":
         out += ["--reward_model", stage_models["--reward_model"]]
@@ -145,11 +160,11 @@ def test_one_rank_eight_ranks_two_nodes_and_resume_across_world_sizes(
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert_same_weights(weights(tmp_path / "n2"), reference, script)
 
-    # a checkpoint written at 2 ranks (step 2), resumed at 1 and at 4 ranks
-    run(script, ["--out_dir", str(tmp_path / "r2"), *args], nproc=2)
-    step2 = tmp_path / "r2" / "checkpoints" / "step_00000002"
-    for nproc in (1, 4):
-        resumed = tmp_path / f"resumed{nproc}"
+    # The checkpoints of step 2 resumed at another world size: the 2 nodes' (4 ranks) at 1 rank,
+    # the 1-rank run's at 2 ranks.
+    for source, nproc in (("n2", 1), ("r1", 2)):
+        step2 = tmp_path / source / "checkpoints" / "step_00000002"
+        resumed = tmp_path / f"{source}_at_{nproc}"
         shutil.copytree(step2, resumed / "checkpoints" / step2.name)
         run(script, ["--out_dir", str(resumed), "--resume", *args], nproc=nproc)
         assert_same_weights(weights(resumed), reference, script)
