@@ -56,3 +56,28 @@ def error_line(module, args):
     line = f"error: {e.value}"
     assert "\n" not in line, line
     return line
+
+
+def in_process(module, args):
+    """A run of a script in this process, as `python script.py args` would run it but for the
+    process: main() on the parsed flags. A script holds its run dir's lock until its process ends;
+    here the lock is released when main() returns or raises, as the process's end would."""
+    locks = run_dir_locks()
+    try:
+        module.main(module.parse_args([str(arg) for arg in args]))
+    finally:
+        for fd in run_dir_locks() - locks:
+            os.close(fd)
+
+
+def run_dir_locks():
+    """This process's open descriptors of run-dir locks (`<run dir>/.lock`)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith("/.lock"):
+            fds.add(int(fd))
+    return fds

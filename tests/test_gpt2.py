@@ -177,7 +177,7 @@ def test_parity_with_transformers(tmp_path):
 
 
 def test_errors(tmp_path):
-    with pytest.raises(gpt2.RunError, match=r"^error: no checkpoint at 'nonexistent/path'[^\n]*$"):
+    with pytest.raises(gpt2.RunError, match=r"^no checkpoint at 'nonexistent/path'[^\n]*$"):
         gpt2.load("nonexistent/path")
     model = tiny_model()
     gpt2.save(model, str(tmp_path))

@@ -73,7 +73,7 @@ def test_head_env_vars(monkeypatch):
     monkeypatch.setenv("GPT2_HEAD", "tf32")
     with pytest.raises(gpt2.RunError) as error:
         gpt2.GPT(cfg)
-    assert str(error.value) == "error: GPT2_HEAD=tf32: expected fp32, mixed or bf16"
+    assert str(error.value) == "GPT2_HEAD=tf32: expected fp32, mixed or bf16"
     # A bad setting does not stop the import: only a model built under it.
     env = dict(os.environ, GPT2_HEAD="tf32", GPT2_ROLL_PADDING="x", GPT2_CPU_GEMM="x")
     script = "import gpt2; print('imported')"
