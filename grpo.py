@@ -7,9 +7,10 @@ clipped surrogate plus beta * KL(pi_theta || pi_ref), the KL estimated per token
 With the knobs the project's studies use: RSO's rejection sampling (Liu et al. 2023) and
 batch-whitened advantages, as the GPT-2 TL;DR recipe runs them, and epochs x minibatches.
 
-pi_old is the trainer's: one no-grad forward pass over the step's batch before its first
-update, so that the sampler's rounding (a KV-cache decode, bf16 on a GPU) never enters the
-ratio. The first minibatch takes its own forward's, and is exactly on-policy.
+pi_old is the trainer's, so that the sampler's rounding (a KV-cache decode, bf16 on a GPU)
+never enters the ratio: the first minibatch takes its own forward's, and is exactly
+on-policy; where a batch feeds more than one update (TRL's rule), one no-grad forward pass
+over the step's batch before its first update gives the others theirs.
 Deviations: the loss is the mean over the batch's tokens (DAPO's, TRL's default), not over
 each response's tokens and then the responses (DeepSeekMath eq. 3); a minibatch takes an
 equal share of every group, at any rank count. The field's variants (DAPO, Dr. GRPO, GSPO,

@@ -459,6 +459,31 @@ def update_metrics(totals, batch_size, kl_coef, lr):
     }
 
 
+def make_optimizer(model, args):
+    """TensorFlow's Adam, as lm-human-preferences trains with (--optimizer adam_tf); or torch's
+    (adam_tf.py compares the two)."""
+    if args.optimizer == "adam_tf":
+        return AdamTF(model.parameters(), lr=args.lr, eps=args.eps)
+    return torch.optim.Adam(model.parameters(), lr=args.lr, eps=args.eps, fused=True)
+
+
+def zero_value_head(value_model):
+    """lm-human-preferences' value head (--value_head zero): the first values are 0."""
+    torch.nn.init.zeros_(value_model.score.weight)
+    torch.nn.init.zeros_(value_model.score.bias)
+    value_model.reward_gain = 1.0
+    value_model.reward_bias = 0.0
+
+
+def check_finite(totals, done, out_dir):
+    """Stop on a non-finite statistic, before the update's checkpoint could save it."""
+    if not all(math.isfinite(total) for total in totals.values()):
+        raise RunError(
+            f"non-finite PPO statistics at update {done}: lower --lr and continue with "
+            f"--resume --out_dir {out_dir}"
+        )
+
+
 def main(args: Args):
     # 1. sizes, distributed setup, seeds
     check_args(args)
@@ -501,22 +526,13 @@ def main(args: Args):
     data.check_context(prompts, context, args.response_length)
     args.out_dir = start_run(args, "ppo")
     if args.value_head == "zero":
-        # lm-human-preferences' value head: the first values are 0.
-        torch.nn.init.zeros_(value_model.score.weight)
-        torch.nn.init.zeros_(value_model.score.bias)
-        value_model.reward_gain = 1.0
-        value_model.reward_bias = 0.0
+        zero_value_head(value_model)
     policy.activation_checkpointing = args.activation_checkpointing
     value_model.activation_checkpointing = args.activation_checkpointing
     for model in (policy, ref_policy, reward_model, value_model):
         model.packing = args.packing
-    # TensorFlow's Adam, as lm-human-preferences trains with; or torch's (adam_tf.py compares).
-    if args.optimizer == "adam_tf":
-        policy_opt = AdamTF(policy.parameters(), lr=args.lr, eps=args.eps)
-        value_opt = AdamTF(value_model.parameters(), lr=args.lr, eps=args.eps)
-    else:
-        policy_opt = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=args.eps, fused=True)
-        value_opt = torch.optim.Adam(value_model.parameters(), lr=args.lr, eps=args.eps, fused=True)
+    policy_opt = make_optimizer(policy, args)
+    value_opt = make_optimizer(value_model, args)
     fwd_policy = torch.compile(policy) if args.compile else policy
     fwd_value = torch.compile(value_model) if args.compile else value_model
     models = {"policy": (policy, policy_opt), "value": (value_model, value_opt)}
@@ -527,8 +543,6 @@ def main(args: Args):
         state = load_checkpoint(args.out_dir, models)
     start = state["step"]
     kl_coef = state.get("kl_coef", args.kl_coef)
-    temperature = args.temperature
-    response_length = args.response_length
     if start == 0 and args.eval_size > 0:
         # The starting policy's numbers, to compare against.
         log_metrics(args, 0, evaluate(), SHOW)
@@ -555,19 +569,18 @@ def main(args: Args):
         # 4.1 generate; the uniforms come from (seed, update): the same samples on 1 or
         # N ranks
         rng = np.random.default_rng([args.seed, update, 2])
-        noise = rng.random((args.batch_size, response_length))
+        noise = rng.random((args.batch_size, args.response_length))
         noise = torch.from_numpy(noise[rank_rows]).float().to(device)
         responses = []
         with ctx:
             for i in micro_idx:
-                query = b_query[i]
                 rollout = gpt2.generate(
                     policy,
-                    query,
+                    b_query[i],
                     pad_token_id=pad,
-                    max_new_tokens=response_length,
+                    max_new_tokens=args.response_length,
                     eos_token_id=eos,
-                    temperature=temperature,
+                    temperature=args.temperature,
                     noise=noise[i],
                 )
                 responses.append(rollout.response)
@@ -590,8 +603,8 @@ def main(args: Args):
             for i in micro_idx:
                 query = b_query[i]
                 response = b_response[i]
-                logprobs = gpt2.logprobs(fwd_policy, query, response, temperature)[0]
-                ref_logprobs = gpt2.logprobs(ref_policy, query, response, temperature)[0]
+                logprobs = gpt2.logprobs(fwd_policy, query, response, args.temperature)[0]
+                ref_logprobs = gpt2.logprobs(ref_policy, query, response, args.temperature)[0]
                 values = forward_values(fwd_value, query, response, pad, eos)
                 scores = gpt2.get_reward(reward_model, query, response, pad, eos)
                 logprobs_parts.append(logprobs)
@@ -647,7 +660,7 @@ def main(args: Args):
                     mask = b_mask[idx]
                     with ctx:
                         new_logprobs, entropy = gpt2.logprobs(
-                            fwd_policy, query, response, temperature, entropy=log_now
+                            fwd_policy, query, response, args.temperature, entropy=log_now
                         )
                         vpred = forward_values(fwd_value, query, response, pad, eos)
                     pg_losses, ratio, pg_clipped = policy_loss(
@@ -669,11 +682,10 @@ def main(args: Args):
                     (loss * world_size / n_tokens).backward()
 
                     with torch.no_grad():
-                        approxkl = 0.5 * (new_logprobs - b_logprobs[idx]) ** 2
                         stats = {
                             "pg_loss": pg_losses,
                             "vf_loss": vf_losses,
-                            "approxkl": approxkl,
+                            "approxkl": 0.5 * (new_logprobs - b_logprobs[idx]) ** 2,
                             "pg_clipfrac": pg_clipped,
                             "vf_clipfrac": vf_clipped,
                             "ratio": ratio,
@@ -698,11 +710,7 @@ def main(args: Args):
             "tokens": b_mask.sum() * args.num_ppo_epochs,
         }
         totals = all_reduce_dict(sums | token_sums)
-        if not all(math.isfinite(total) for total in totals.values()):
-            raise RunError(
-                f"non-finite PPO statistics at update {done}: lower --lr and continue with "
-                f"--resume --out_dir {args.out_dir}"
-            )
+        check_finite(totals, done, args.out_dir)
         metrics = update_metrics(totals, args.batch_size, kl_coef, lr)
         if args.adaptive_kl:
             kl_coef = adaptive_kl_coef(

@@ -542,6 +542,31 @@ def update_metrics(totals, batch_size, kl_coef, lr):
     }
 
 
+def make_optimizer(model, args):
+    """TensorFlow's Adam, as lm-human-preferences trains with (--optimizer adam_tf); or torch's
+    (adam_tf.py compares the two)."""
+    if args.optimizer == "adam_tf":
+        return AdamTF(model.parameters(), lr=args.lr, eps=args.eps)
+    return torch.optim.Adam(model.parameters(), lr=args.lr, eps=args.eps, fused=True)
+
+
+def zero_value_head(value_model):
+    """lm-human-preferences' value head (--value_head zero): the first values are 0."""
+    torch.nn.init.zeros_(value_model.score.weight)
+    torch.nn.init.zeros_(value_model.score.bias)
+    value_model.reward_gain = 1.0
+    value_model.reward_bias = 0.0
+
+
+def check_finite(totals, done, out_dir):
+    """Stop on a non-finite statistic, before the update's checkpoint could save it."""
+    if not all(math.isfinite(total) for total in totals.values()):
+        raise RunError(
+            f"non-finite PPO statistics at update {done}: lower --lr and continue with "
+            f"--resume --out_dir {out_dir}"
+        )
+
+
 def main(args: Args):
     # 1. sizes, distributed setup, seeds
     check_args(args)
@@ -589,22 +614,13 @@ def main(args: Args):
     data.check_context(prompts, context, args.response_length)
     args.out_dir = start_run(args, "ppo_variants")
     if args.value_head == "zero":
-        # lm-human-preferences' value head: the first values are 0.
-        torch.nn.init.zeros_(value_model.score.weight)
-        torch.nn.init.zeros_(value_model.score.bias)
-        value_model.reward_gain = 1.0
-        value_model.reward_bias = 0.0
+        zero_value_head(value_model)
     policy.activation_checkpointing = args.activation_checkpointing
     value_model.activation_checkpointing = args.activation_checkpointing
     for model in (policy, ref_policy, reward_model, value_model):
         model.packing = args.packing
-    # TensorFlow's Adam, as lm-human-preferences trains with; or torch's (adam_tf.py compares).
-    if args.optimizer == "adam_tf":
-        policy_opt = AdamTF(policy.parameters(), lr=args.lr, eps=args.eps)
-        value_opt = AdamTF(value_model.parameters(), lr=args.lr, eps=args.eps)
-    else:
-        policy_opt = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=args.eps, fused=True)
-        value_opt = torch.optim.Adam(value_model.parameters(), lr=args.lr, eps=args.eps, fused=True)
+    policy_opt = make_optimizer(policy, args)
+    value_opt = make_optimizer(value_model, args)
     fwd_policy = torch.compile(policy) if args.compile else policy
     fwd_value = torch.compile(value_model) if args.compile else value_model
     models = {"policy": (policy, policy_opt), "value": (value_model, value_opt)}
@@ -827,11 +843,7 @@ def main(args: Args):
             "tokens": b_mask.sum() * args.num_ppo_epochs,
         }
         totals = all_reduce_dict(sums | token_sums)
-        if not all(math.isfinite(total) for total in totals.values()):
-            raise RunError(
-                f"non-finite PPO statistics at update {done}: lower --lr and continue with "
-                f"--resume --out_dir {args.out_dir}"
-            )
+        check_finite(totals, done, args.out_dir)
         metrics = update_metrics(totals, args.batch_size, kl_coef, lr)
         if correction != "off":
             gap = gap_metrics(b_logprobs, b_sampler_logprobs, b_mask, correction, args.sampler_cap)

@@ -1,6 +1,6 @@
 """The GPU acceptance command (issue 39): what a lent GPU runs first, in one call of < 8 minutes.
 
-    timeout 540 python experiments/gpu_check.py --deadline 480 --out runs/gpu_check/accept
+    timeout -k 10 420 python experiments/gpu_check.py --deadline 390 --out runs/gpu_check/accept
     python experiments/gpu_check.py --device cpu --out /tmp/dry  # every part, tiny sizes
 
 Parts, in order; report.md and report.json are rewritten after each, so a cut keeps what finished:

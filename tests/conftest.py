@@ -9,17 +9,40 @@ os.environ.setdefault(
 )
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-# Under pytest-xdist (`-n auto`: a worker per core) each worker's torch takes one thread, as the
-# scripts run by the tests already do, so that the workers do not oversubscribe the cores.
-if "PYTEST_XDIST_WORKER" in os.environ:
-    os.environ["OMP_NUM_THREADS"] = "1"
+# One torch thread in this process, as in every process the tests start: a run made here
+# (runs.in_process) rounds as the same run made in a subprocess does, and pytest-xdist's workers
+# (a worker per core) do not oversubscribe the cores.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 # ---- fixtures that many test files share, made once per test run
 
+import fcntl  # noqa: E402
+import shutil  # noqa: E402
+
 import pytest  # noqa: E402
 
 from runs import ROOT, run  # noqa: E402
+
+
+def made_once(tmp_path_factory, name, make):
+    """A folder `name` that make(folder) fills, made once per test run. Under pytest-xdist each
+    worker has its own session, so the first worker makes it in the run's shared temp dir, under a
+    lock, and the others wait for it and reuse it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp(name)
+        make(out)
+        return out
+    shared = tmp_path_factory.getbasetemp().parent
+    out = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / f"{name}.done").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            make(out)
+            (shared / f"{name}.done").touch()
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +50,13 @@ def sft_run(tmp_path_factory):
     """A tiny model after a short SFT (250 steps): it answers with digits and a stop token, and its
     answers differ, so that GRPO's groups have reward variance. Its step-100 checkpoint
     (checkpoints/step_00000100/model) is a weaker model from the same start."""
-    out = tmp_path_factory.mktemp("sft")
     flags = "--total_steps 250 --eval_every 50 --keep_checkpoints 4 --batch_size 64 "
     flags += "--micro_batch_size 64 --warmup_steps 20 --eval_size 8 --log_every 250"
-    run(ROOT / "sft.py", ["--out_dir", str(out), *flags.split()])
-    return out
+
+    def make(out):
+        run(ROOT / "sft.py", ["--out_dir", str(out), *flags.split()])
+
+    return made_once(tmp_path_factory, "sft", make)
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +71,10 @@ def small_data(tmp_path_factory):
     import data
     from data import arithmetic
 
-    out = str(tmp_path_factory.mktemp("data") / "arith")
     sizes = dict(sft_train=64, sft_test=32, pref_train=256, pref_test=32)
     sizes |= dict(prompt_train=32, prompt_test=32)
-    data.write_dataset(out, arithmetic.META, arithmetic.build(sizes=sizes))
-    return ["--data", out]
+
+    def make(out):
+        data.write_dataset(str(out / "arith"), arithmetic.META, arithmetic.build(sizes=sizes))
+
+    return ["--data", str(made_once(tmp_path_factory, "data", make) / "arith")]

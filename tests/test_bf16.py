@@ -2,6 +2,7 @@
 parameters, fp32 gradient reduction). The on-policy invariants hold exactly, and 1 and 2 ranks agree
 within the tolerance that bf16 rounding of the parameters allows."""
 
+import importlib
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from failed_run import why
+from runs import in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -19,14 +21,17 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def run(script, args, nproc):
-    cmd = [*TORCHRUN, str(nproc), script] if nproc else [sys.executable, script]
-    p = subprocess.run(
-        [*cmd, *args, "--dtype", "bfloat16"], cwd=ROOT, env=ENV, capture_output=True, text=True
-    )
-    assert p.returncode == 0, why(p)
-    return [
-        json.loads(line) for line in open(Path(args[args.index("--out_dir") + 1]) / "metrics.jsonl")
-    ]
+    """A bf16 run's metrics: under torchrun with nproc ranks, or in this process (nproc 0, as one
+    process runs it: runs.in_process)."""
+    args = [*args, "--dtype", "bfloat16"]
+    if nproc:
+        cmd = [*TORCHRUN, str(nproc), script, *args]
+        p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+        assert p.returncode == 0, why(p)
+    else:
+        in_process(importlib.import_module(script.removesuffix(".py")), args)
+    out_dir = Path(args[args.index("--out_dir") + 1])
+    return [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
 
 
 @pytest.mark.parametrize("nproc", [0, 2])

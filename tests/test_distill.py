@@ -16,7 +16,7 @@ import torch
 
 import grpo_variants
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -89,7 +89,7 @@ def test_a_teacher_is_a_signal_alone_and_beside_the_verifier(tmp_path, models):
 def test_one_rank_equals_two_ranks(tmp_path, models):
     common = ["--model", str(models["student"]), "--teacher_model", str(models["teacher"])]
     common += [*SMALL, "--total_episodes", "64", "--beta", "0.05"]
-    run(["--out_dir", str(tmp_path / "r1"), *common])
+    in_process(grpo_variants, ["--out_dir", str(tmp_path / "r1"), *common])
     run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
     a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2]
@@ -102,10 +102,10 @@ def test_one_rank_equals_two_ranks(tmp_path, models):
 def test_resume_matches_uninterrupted(tmp_path, models):
     common = ["--model", str(models["student"]), "--teacher_model", str(models["teacher"])]
     common += [*SMALL, "--total_episodes", "128", "--keep_checkpoints", "5", "--no_verifier"]
-    run(["--out_dir", str(tmp_path / "full"), *common])
+    in_process(grpo_variants, ["--out_dir", str(tmp_path / "full"), *common])
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
     shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
-    run(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
+    in_process(grpo_variants, ["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
     full = {m["step"]: m for m in metrics(tmp_path / "full")}
     resumed = metrics(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [3, 4]

@@ -21,7 +21,7 @@ import data
 import dpo
 import gpt2
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
@@ -51,6 +51,12 @@ def run(args, nproc=0, check=True, cwd=ROOT):
     if check:
         assert p.returncode == 0, why(p)
     return p
+
+
+def run_here(args):
+    """A run as run() makes it, in this process (runs.in_process): for the tests whose subject is
+    the run, not its process."""
+    in_process(dpo, args)
 
 
 def metrics(out_dir):
@@ -285,7 +291,7 @@ def test_tiny_run_starts_at_ln2_and_saves(tmp_path, small):
     # 32 pairs, 10 epochs: the policy fits them (on fresh pairs a random-init model's margin
     # stays noise for 20 steps)
     common = ["--total_steps", "20", "--eval_every", "20", "--max_train_pairs", "32"]
-    run(["--out_dir", str(tmp_path), *common, *SMALL, *small])
+    run_here(["--out_dir", str(tmp_path), *common, *SMALL, *small])
     m = metrics(tmp_path)
     start, first, last = m[0], m[1], m[-1]
     # step 0: π = π_ref to the bit (the same forward scores both), so every reward is 0 and every
@@ -312,7 +318,7 @@ def test_bf16_under_fsdp2_starts_at_ln2(tmp_path, small):
     assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
-def test_max_train_pairs_limits_training_and_the_reference_pass(tmp_path):
+def test_max_train_pairs_limits_training_and_the_reference_pass(tmp_path, capsys):
     """Pairs past the limit hold a token id outside the vocabulary: touching any of them (in the
     reference pass or a training step) would crash the run."""
     from data import arithmetic
@@ -332,19 +338,21 @@ def test_max_train_pairs_limits_training_and_the_reference_pass(tmp_path):
         "3",
         *SMALL,
     ]
-    p = run(["--out_dir", str(tmp_path / "ok"), "--max_train_pairs", "32", *common])
-    assert "reference log-probs of 32 train" in p.stdout
+    capsys.readouterr()
+    run_here(["--out_dir", str(tmp_path / "ok"), "--max_train_pairs", "32", *common])
+    assert "reference log-probs of 32 train" in capsys.readouterr().out
     assert [r["step"] for r in metrics(tmp_path / "ok")] == [0, 1, 2, 3]
-    p = run(["--out_dir", str(tmp_path / "all"), *common], check=False)  # what kept it clear
-    assert p.returncode != 0
+    with pytest.raises(IndexError):  # what kept it clear: the embedding has no row 999
+        run_here(["--out_dir", str(tmp_path / "all"), *common])
 
 
 @pytest.mark.parametrize("loss_type", ["simpo", "ipo"])
-def test_length_normalised_losses_train(tmp_path, small, loss_type):
+def test_length_normalised_losses_train(tmp_path, small, loss_type, capsys):
     rpo = ["--rpo_alpha", "0.5", "--rpo_normalization", "token"]
     common = ["--total_steps", "10", "--eval_every", "10", "--max_train_pairs", "32", *rpo]
-    p = run(["--out_dir", str(tmp_path), "--loss_type", loss_type, *common, *SMALL, *small])
-    assert ("reference log-probs" in p.stdout) == (loss_type != "simpo")  # SimPO: no reference
+    run_here(["--out_dir", str(tmp_path), "--loss_type", loss_type, *common, *SMALL, *small])
+    out = capsys.readouterr().out
+    assert ("reference log-probs" in out) == (loss_type != "simpo")  # SimPO: no reference
     first, last = metrics(tmp_path)[1], metrics(tmp_path)[-1]
     assert last["rewards/margins"] > first["rewards/margins"] + 0.05
     assert last["train/loss"] < first["train/loss"] and last["train/nll"] < first["train/nll"]
@@ -383,21 +391,21 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path, small):
     # resume from the step-3 checkpoint (π_ref scored again from --model): steps 4..6 as before
     step3 = Path("checkpoints") / "step_00000003"
     shutil.copytree(tmp_path / "r1" / step3, tmp_path / "res" / step3)
-    run(["--out_dir", str(tmp_path / "res"), "--resume", *common])
+    run_here(["--out_dir", str(tmp_path / "res"), "--resume", *common])
     resumed = metrics(tmp_path / "res")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for x, y in zip(a[4:], resumed):
         assert abs(x["train/loss"] - y["train/loss"]) < 1e-5, (x, y)
-    p = run(["--out_dir", str(tmp_path / "r1"), *common], check=False)  # never overwritten
-    assert p.returncode == 1 and "holds a run" in p.stderr and len(metrics(tmp_path / "r1")) == 7
+    line = error_line(dpo, ["--out_dir", str(tmp_path / "r1"), *common])  # never overwritten
+    assert "holds a run" in line and len(metrics(tmp_path / "r1")) == 7, line
 
 
 def test_wpo_run_averages_the_weighted_loss_over_the_global_batch(tmp_path, small):
     """At step 1 π = π_ref, so every pair's sigmoid loss is ln 2: the weighted loss averaged over
     the batch (TRL's mean, not a weight-normalised one) is ln 2 x the mean weight."""
     common = ["--total_steps", "2", "--eval_size", "0", "--max_train_pairs", "32", "--wpo"]
-    run(["--out_dir", str(tmp_path / "plain"), *SMALL, *small, *common, "--no_wpo_align"])
-    run(["--out_dir", str(tmp_path / "aligned"), *SMALL, *small, *common])
+    run_here(["--out_dir", str(tmp_path / "plain"), *SMALL, *small, *common, "--no_wpo_align"])
+    run_here(["--out_dir", str(tmp_path / "aligned"), *SMALL, *small, *common])
     plain = metrics(tmp_path / "plain")[0]
     aligned = metrics(tmp_path / "aligned")[0]
     for first in (plain, aligned):
@@ -408,13 +416,14 @@ def test_wpo_run_averages_the_weighted_loss_over_the_global_batch(tmp_path, smal
     assert aligned["train/wpo_weight"] > plain["train/wpo_weight"]
 
 
-def test_hard_refresh_every_step_starts_each_step_at_ln2(tmp_path, small):
+def test_hard_refresh_every_step_starts_each_step_at_ln2(tmp_path, small, capsys):
     """--ref_sync_every 1 --ref_sync_mix 1: π_ref is a copy of π after every update, so each step
     scores its batch with π = π_ref: loss ln 2 and margins 0 at every step, not only the first."""
     common = ["--total_steps", "4", "--eval_every", "2", "--max_train_pairs", "32"]
     common += ["--ref_sync_every", "1", "--ref_sync_mix", "1"]
-    p = run(["--out_dir", str(tmp_path), *common, *SMALL, *small])
-    assert "reference log-probs of" not in p.stdout  # no pass before step 0: per batch
+    run_here(["--out_dir", str(tmp_path), *common, *SMALL, *small])
+    out = capsys.readouterr().out
+    assert "reference log-probs of" not in out  # no pass before step 0: per batch
     m = metrics(tmp_path)
     assert [r["step"] for r in m] == [0, 1, 2, 3, 4]
     for r in m[1:]:

@@ -6,6 +6,7 @@ errors, the flags that live in grpo_variants.py; and grpo_variants.py at its def
 bit for bit. The variants: tests/test_grpo_variants.py. SIGTERM to one rank and 1 = 8 ranks = 2
 nodes: tests/test_world_sizes.py; the sampler's log-probs: tests/test_gpt2.py."""
 
+import importlib
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import torch
 
 import grpo
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -42,6 +43,12 @@ def run(args, nproc=0, check=True, cwd=ROOT, script="grpo.py"):
     p = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 or not check, why(p)
     return p
+
+
+def run_here(args, script="grpo.py"):
+    """A run as run() makes it, in this process (runs.in_process): for the tests whose subject is
+    the run, not its process."""
+    in_process(importlib.import_module(script.removesuffix(".py")), args)
 
 
 def start(args, nproc=0):  # a run in the background, to be killed
@@ -237,7 +244,7 @@ def test_one_rank_equals_two_ranks_and_first_minibatch_ratio_is_one(pair, varian
 
 def test_reference_of_a_random_tiny_model_is_its_copy(tmp_path):
     """--model tiny: the reference is a copy of the policy as loaded, not a second random init."""
-    run(
+    run_here(
         [
             "--model",
             "tiny",
@@ -257,10 +264,10 @@ def test_reference_of_a_random_tiny_model_is_its_copy(tmp_path):
 def test_resume_matches_uninterrupted(tmp_path, sft_model):
     common = ["--model", sft_model, "--total_episodes", "128", "--eval_every", "2"]
     common += ["--keep_checkpoints", "5", "--beta", "0.05", *SMALL]
-    run(["--out_dir", str(tmp_path / "full"), *common])
+    run_here(["--out_dir", str(tmp_path / "full"), *common])
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
     shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
-    run(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
+    run_here(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
     full = {m["step"]: m for m in metrics(tmp_path / "full")}
     resumed = metrics(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [3, 4]
@@ -281,12 +288,12 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, sft_model):
     checkpoint."""
     common = ["--model", sft_model, "--total_episodes", str(32 * 24), "--eval_every", "3"]
     common += ["--beta", "0.05", *SMALL]
-    run(["--out_dir", str(tmp_path / "full"), *common])
+    run_here(["--out_dir", str(tmp_path / "full"), *common])
     p = start(["--out_dir", str(out := tmp_path / "killed"), *common])
     wait_for(p, lambda: (out / "checkpoints" / "step_00000006").exists())
     p.kill()
     assert p.wait() == -signal.SIGKILL  # still running when killed: the kill came mid-way
-    run(["--out_dir", str(out), "--resume", *common])
+    run_here(["--out_dir", str(out), "--resume", *common])
     full = {m["step"]: m for m in metrics(tmp_path / "full")}
     resumed = {m["step"]: m for m in metrics(out)}  # rows after the checkpoint: logged again
     assert resumed.keys() == full.keys() and full[24]["objective/kl"] > 0
@@ -451,7 +458,7 @@ def test_grpo_variants_at_its_defaults_is_grpo_bit_for_bit(tmp_path, pair, sft_m
     common += ["--beta", "0.05", "--kl_estimator", "k2", "--rejection_sampling_candidates", "8"]
     common += ["--batch_norm_advantages", "--num_minibatches", "2", "--num_epochs", "2"]
     for script in ("grpo.py", "grpo_variants.py"):
-        run(["--out_dir", str(tmp_path / script), *common], script=script)
+        run_here(["--out_dir", str(tmp_path / script), *common], script=script)
     runs.append((metrics(tmp_path / "grpo.py"), metrics(tmp_path / "grpo_variants.py")))
     for a, b in runs:
         assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2]

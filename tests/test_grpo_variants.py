@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 import gpt2
 import grpo_variants
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -47,6 +47,12 @@ def run(args, nproc=0, check=True, cwd=ROOT, script="grpo_variants.py"):
     p = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 or not check, why(p)
     return p
+
+
+def run_here(args):
+    """A run as run() makes it, in this process (runs.in_process): for the tests whose subject is
+    the run, not its process."""
+    in_process(grpo_variants, args)
 
 
 def metrics(out_dir):  # one dict per logged step
@@ -530,7 +536,7 @@ def test_top_p_sampler_log_probs_are_the_trainers(tmp_path, sft_model):
     (trl#6789)."""
     flags = ["--model", sft_model, "--total_episodes", "32", *SMALL, "--lr", "0"]
     flags += ["--num_minibatches", "2", "--top_p", "0.7", "--out_dir", str(tmp_path)]
-    run(flags)
+    run_here(flags)
     m = metrics(tmp_path)[-1]
     assert m["step"] == 1 and abs(m["val/ratio"] - 1) < 1e-5, m
     assert m["policy/approxkl_avg"] < 1e-10 and m["train/grad_norm"] > 0, m
@@ -540,7 +546,7 @@ def test_hard_refresh_every_step_keeps_the_kl_at_zero(tmp_path, sft_model):
     """--ref_sync_every 1 --ref_sync_mix 1: after each step's update π_ref is a copy of π, so each
     step samples from its reference: KL(π_old || π_ref) is 0 at every step, not only the first."""
     common = ["--model", sft_model, "--total_episodes", "96", "--beta", "0.05", *SMALL]
-    run(["--out_dir", str(tmp_path), *common, "--ref_sync_every", "1", "--ref_sync_mix", "1"])
+    run_here(["--out_dir", str(tmp_path), *common, "--ref_sync_every", "1", "--ref_sync_mix", "1"])
     m = metrics(tmp_path)
     assert [r["step"] for r in m] == [0, 1, 2, 3]
     assert all(r["objective/kl"] < 1e-10 for r in m[1:]), [r["objective/kl"] for r in m[1:]]
@@ -581,8 +587,8 @@ def test_mask_truncated_leaves_responses_without_a_stop_token_out(tmp_path, sft_
     --mask_truncated no token is in the loss (the token means and the gradient are 0); without it
     every response's token is (ratio 1)."""
     common = ["--model", sft_model, "--total_episodes", "32", *SMALL, "--response_length", "1"]
-    run(["--out_dir", str(tmp_path / "masked"), "--mask_truncated", *common])
-    run(["--out_dir", str(tmp_path / "kept"), *common])
+    run_here(["--out_dir", str(tmp_path / "masked"), "--mask_truncated", *common])
+    run_here(["--out_dir", str(tmp_path / "kept"), *common])
     masked, kept = metrics(tmp_path / "masked")[-1], metrics(tmp_path / "kept")[-1]
     assert masked["val/stop_frac"] == kept["val/stop_frac"] == 0
     assert masked["val/ratio"] == masked["train/grad_norm"] == masked["objective/entropy"] == 0
@@ -601,7 +607,7 @@ def test_tiny_runs_with_every_option(tmp_path, sft_model):
     flags += "--scale_rewards none --batch_norm_advantages --response_length 6 "
     flags += "--importance_level sequence --dual_clip 3 --eval_samples 2 "
     flags += "--entropy_target 100 --entropy_coef 0.01"  # always below: c rises by 0.005 a step
-    run(["--out_dir", str(tmp_path / "a"), *common, *flags.split()])
+    run_here(["--out_dir", str(tmp_path / "a"), *common, *flags.split()])
     m = metrics(tmp_path / "a")
     assert [r["step"] for r in m] == [0, 1, 2, 3] and all(
         math.isfinite(v) for r in m for v in r.values()
@@ -618,7 +624,7 @@ def test_tiny_runs_with_every_option(tmp_path, sft_model):
     flags = "--dynamic_sampling --max_sampling_rounds 2 --mask_truncated --clip_eps_high 0.28 "
     flags += "--loss_aggregation dr_grpo --scale_rewards none --advantage rloo "
     flags += "--rejection_sampling_candidates 6"
-    run(["--out_dir", str(tmp_path / "b"), *common, *flags.split()])
+    run_here(["--out_dir", str(tmp_path / "b"), *common, *flags.split()])
     m = metrics(tmp_path / "b")
     assert [r["step"] for r in m] == [0, 1, 2, 3] and all(
         math.isfinite(v) for r in m for v in r.values()
@@ -638,7 +644,7 @@ def test_tiny_runs_with_sapo_gmpo_and_reinforce_plus_plus(tmp_path, sft_model):
     gmpo += "--beta 0.05"
     sapo = "--loss_type sapo --sapo_tau_neg 2 --advantage reinforce_plus_plus"
     for name, flags in (("gmpo", gmpo), ("sapo", sapo)):
-        run(["--out_dir", str(tmp_path / name), *common, *flags.split()])
+        run_here(["--out_dir", str(tmp_path / name), *common, *flags.split()])
         m = metrics(tmp_path / name)
         assert [r["step"] for r in m] == [0, 1, 2], name
         assert all(math.isfinite(v) for r in m for v in r.values()), name
@@ -652,10 +658,10 @@ def test_resume_matches_uninterrupted(tmp_path, sft_model):
     common = ["--model", sft_model, "--total_episodes", "128", "--eval_every", "2"]
     common += ["--keep_checkpoints", "5", "--beta", "0.05", *SMALL]
     common += ["--entropy_target", "100", "--entropy_coef", "0.01"]  # a coefficient to restore
-    run(["--out_dir", str(tmp_path / "full"), *common])
+    run_here(["--out_dir", str(tmp_path / "full"), *common])
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
     shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
-    run(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
+    run_here(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
     full = {m["step"]: m for m in metrics(tmp_path / "full")}
     resumed = metrics(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [3, 4]

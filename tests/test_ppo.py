@@ -8,6 +8,7 @@ bonus and dual-clip in the same tiny run, top-k/top-p's first minibatch, its one
 at its defaults it is ppo.py bit for bit. Its sampler correction: tests/test_sampler_correction.py.
 Log-probs at the temperature: tests/test_gpt2.py."""
 
+import importlib
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import gpt2
 import ppo
 import ppo_variants
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -228,19 +229,21 @@ def models(tmp_path_factory):
     return d
 
 
-def run(models, out, *flags, nproc=0, check=True, script="ppo.py"):
-    launcher = [sys.executable]
-    if nproc:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+def run(models, out, *flags, nproc=0, script="ppo.py"):
+    """A run on the models, under torchrun with nproc ranks, or in this process (nproc 0, as one
+    process runs it: runs.in_process)."""
     args = ["--model", str(models / "sft"), "--reward_model", str(models / "rm")]
     args += ["--out_dir", str(out), "--batch_size", "16", "--micro_batch_size", "4"]
     args += ["--response_length", "6", "--eval_size", "16", "--log_every", "1", *flags]
+    if not nproc:
+        in_process(importlib.import_module(script.removesuffix(".py")), args)
+        return
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += [f"--nproc_per_node={nproc}"]
     p = subprocess.run(
         launcher + [script, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
     )
-    if check:
-        assert p.returncode == 0, why(p)
-    return p
+    assert p.returncode == 0, why(p)
 
 
 def metrics(out):

@@ -20,7 +20,7 @@ import data
 import gpt2
 import reward
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 HH = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
@@ -37,6 +37,12 @@ def run(args, nproc=0, check=True, cwd=ROOT):
     if check:
         assert p.returncode == 0, why(p)
     return p
+
+
+def run_here(args):
+    """A run as run() makes it, in this process (runs.in_process): for the tests whose subject is
+    the run, not its process."""
+    in_process(reward, args)
 
 
 def metrics(out_dir):
@@ -133,7 +139,7 @@ def test_normalisation_samples_at_norm_temperature_like_ppo(monkeypatch):
 def test_tiny_run_learns_and_saves_a_normalised_reward_model(tmp_path):
     """16 pairs, seen every step: the loss falls from ln 2 to < 1e-3 by step 30 (seeds 1-3)."""
     common = ["--out_dir", str(tmp_path), "--total_steps", "30", "--eval_every", "30", *SMALL]
-    run([*common, "--max_train_pairs", "16"])
+    run_here([*common, "--max_train_pairs", "16"])
     m = metrics(tmp_path)
     assert len(m) == 30 and abs(m[0]["train/loss"] - math.log(2)) < 0.05
     assert m[-1]["train/loss"] < 0.05 and all(r["train/accuracy"] == 1 for r in m[-5:]), m[-5:]
@@ -147,10 +153,9 @@ def test_tiny_run_learns_and_saves_a_normalised_reward_model(tmp_path):
     config = json.load(open(tmp_path / "config.json"))
     assert (config["reward_gain"], config["reward_bias"]) == (last["norm/gain"], last["norm/bias"])
     # a finished run: the same command again is refused; --resume keeps the normalised model
-    p = run(common, check=False)
-    assert p.returncode == 1 and "holds a run" in p.stderr, p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-    run([*common, "--resume"])
+    line = error_line(reward, common)
+    assert "holds a run" in line, line
+    run_here([*common, "--resume"])
     assert metrics(tmp_path) == m and json.load(open(tmp_path / "config.json")) == config
 
 
@@ -167,7 +172,7 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path):
     # resume from the step-3 checkpoint (backbone, score head, optimizer): steps 4..6 as before
     ckpt = Path("checkpoints", "step_00000003")
     shutil.copytree(tmp_path / "r1" / ckpt, tmp_path / "res" / ckpt)
-    run(["--out_dir", str(tmp_path / "res"), "--resume", *common])
+    run_here(["--out_dir", str(tmp_path / "res"), "--resume", *common])
     resumed = metrics(tmp_path / "res")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for x, y in zip(a[3:], resumed):
@@ -178,7 +183,7 @@ def test_one_rank_equals_two_ranks_and_resume(tmp_path):
 def test_max_train_pairs_trains_on_the_first_pairs_only(tmp_path):
     # lr 0: the model never changes, so with the first 16 pairs as the only batch the loss is fixed
     flags = ["--total_steps", "3", "--eval_every", "3", "--max_train_pairs", "16", "--lr", "0"]
-    run(["--out_dir", str(tmp_path), *flags, *SMALL[:-2], "--norm_samples", "0"])
+    run_here(["--out_dir", str(tmp_path), *flags, *SMALL[:-2], "--norm_samples", "0"])
     m = metrics(tmp_path)
     assert len(m) == 3 and max(r["train/loss"] for r in m) - min(r["train/loss"] for r in m) < 1e-6
     assert "norm/gain" not in m[-1]
@@ -226,7 +231,9 @@ def test_hh_rlhf_prep_then_train(tmp_path):
     gpt2.save(gpt2.GPT(config), str(tmp_path / "init"))
     flags = ["--model", str(tmp_path / "init"), "--data", str(tmp_path / "hh"), "--log_every", "1"]
     flags += ["--total_steps", "4", "--batch_size", "8", "--micro_batch_size", "4"]
-    run([*flags, "--out_dir", str(tmp_path / "rm"), "--eval_size", "16", "--norm_samples", "8"])
+    run_here(
+        [*flags, "--out_dir", str(tmp_path / "rm"), "--eval_size", "16", "--norm_samples", "8"]
+    )
     last = metrics(tmp_path / "rm")[-1]
     accuracy, loss = saved_model_eval(tmp_path / "rm", str(tmp_path / "hh"), 16, 4)
     assert last["eval/accuracy"] == accuracy and last["eval/loss"] == pytest.approx(loss, 1e-4)

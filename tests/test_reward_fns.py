@@ -19,7 +19,7 @@ import data.rewards
 import gpt2
 import grpo_variants
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -218,7 +218,7 @@ def test_reward_functions_only_log_their_means_and_add_up_weighted(tmp_path, plu
     the missing-stop penalty of 1, in every step's means (the weighted sum is linear)."""
     flags = ["--reward_fn", f"{plugin}:spread", "--reward_fn", f"{plugin}:first_byte"]
     flags += ["--reward_weights", "0.5", "-2", "--total_episodes", "96"]
-    run([*TINY, "--out_dir", str(tmp_path), *flags])
+    in_process(grpo_variants, [*TINY, "--out_dir", str(tmp_path), *flags])
     m = metrics(tmp_path)
     assert [r["step"] for r in m] == [1, 2, 3] and "eval/accuracy" not in m[-1]
     for r in m:
@@ -232,7 +232,7 @@ def test_reward_functions_only_log_their_means_and_add_up_weighted(tmp_path, plu
 def test_one_rank_equals_two_ranks_and_a_bad_return_on_rank_1_is_one_line(tmp_path, plugin):
     common = [*TINY, "--reward_fn", f"{plugin}:spread", "--total_episodes", "64"]
     common += ["--reward_fn", "experiments/reward_fns.py:answer_format", "--beta", "0.05"]
-    run(["--out_dir", str(tmp_path / "r1"), *common])
+    in_process(grpo_variants, ["--out_dir", str(tmp_path / "r1"), *common])
     run(["--out_dir", str(tmp_path / "r2"), *common], nproc=2)
     a, b = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
@@ -254,10 +254,10 @@ def test_one_rank_equals_two_ranks_and_a_bad_return_on_rank_1_is_one_line(tmp_pa
 def test_resume_with_a_reward_function_matches_uninterrupted(tmp_path, plugin):
     common = [*TINY, "--reward_fn", f"{plugin}:spread", "--total_episodes", "128"]
     common += ["--eval_every", "2", "--keep_checkpoints", "5"]
-    run(["--out_dir", str(tmp_path / "full"), *common])
+    in_process(grpo_variants, ["--out_dir", str(tmp_path / "full"), *common])
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
     shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
-    run(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
+    in_process(grpo_variants, ["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
     full = {r["step"]: r for r in metrics(tmp_path / "full")}
     resumed = metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [3, 4]

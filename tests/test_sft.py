@@ -18,7 +18,7 @@ import data
 import gpt2
 import sft
 from failed_run import why
-from runs import error_line
+from runs import error_line, in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -50,12 +50,18 @@ def run(args, nproc=0, check=True):
     return p
 
 
+def run_here(args):
+    """A run as run() makes it, in this process (runs.in_process): for the tests whose subject is
+    the run, not its process."""
+    in_process(sft, args)
+
+
 def metrics(out_dir):
     return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
 
 
 def test_tiny_run_learns_and_saves(tmp_path):
-    run(["--out_dir", str(tmp_path), "--total_steps", "40", "--eval_every", "40", *SMALL])
+    run_here(["--out_dir", str(tmp_path), "--total_steps", "40", "--eval_every", "40", *SMALL])
     m = metrics(tmp_path)
     assert m[0]["step"] == 0 and m[0]["eval/loss"] == pytest.approx(m[1]["train/loss"], abs=0.2)
     # step 0: the policy is its own reference, every implicit reward 0, every pair a tie
@@ -82,7 +88,7 @@ def test_one_rank_equals_two_ranks(tmp_path):
 def test_compile_matches_eager(tmp_path):
     """--compile trains the same model (the tied embedding's sparse gradient and the oneDNN GEMMs are eager-only)."""
     common = ["--total_steps", "4", "--eval_every", "4", *SMALL]
-    run(["--out_dir", str(tmp_path / "eager"), *common])
+    run_here(["--out_dir", str(tmp_path / "eager"), *common])
     run(["--out_dir", str(tmp_path / "compiled"), "--compile", *common])
     a, b = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
     assert len(a) == len(b) == 5  # step 0's eval, then 4 steps
@@ -92,11 +98,11 @@ def test_compile_matches_eager(tmp_path):
 
 def test_resume_matches_uninterrupted(tmp_path):
     common = ["--total_steps", "12", "--eval_every", "6", "--keep_checkpoints", "5", *SMALL]
-    run(["--out_dir", str(tmp_path / "full"), *common])
+    run_here(["--out_dir", str(tmp_path / "full"), *common])
     # restart from the step-6 checkpoint of the same run in a fresh out_dir
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000006"
     shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / ckpt.name)
-    run(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
+    run_here(["--out_dir", str(tmp_path / "resumed"), "--resume", *common])
     full = {m["step"]: m for m in metrics(tmp_path / "full")}
     resumed = {m["step"]: m for m in metrics(tmp_path / "resumed")}
     assert min(resumed) == 7
@@ -130,7 +136,7 @@ def test_sigterm_saves_checkpoint_then_resume_finishes(tmp_path):
     steps = sorted(os.listdir(tmp_path / "checkpoints"))
     assert steps and steps[-1].startswith("step_")
     stopped_at = int(steps[-1].split("_")[1])
-    run(
+    run_here(
         [
             "--out_dir",
             str(tmp_path),
@@ -149,7 +155,7 @@ def test_sigterm_saves_checkpoint_then_resume_finishes(tmp_path):
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     """Fault injection: SIGKILL mid-run (no chance to save), then --resume from the last periodic checkpoint."""
     common = ["--total_steps", "40", "--eval_every", "4", *SMALL]
-    run(["--out_dir", str(tmp_path / "full"), *common])
+    run_here(["--out_dir", str(tmp_path / "full"), *common])
     out = tmp_path / "killed"
     p = subprocess.Popen(
         [sys.executable, "sft.py", "--out_dir", str(out), *common],
@@ -167,7 +173,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
         time.sleep(0.05)
     p.kill()
     assert p.wait() == -signal.SIGKILL  # still running when killed: the kill came mid-way
-    run(["--out_dir", str(out), "--resume", *common])
+    run_here(["--out_dir", str(out), "--resume", *common])
     full = {m["step"]: m for m in metrics(tmp_path / "full")}
     resumed = {
         m["step"]: m for m in metrics(out)
@@ -179,13 +185,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "1", *SMALL]
-    run(["--total_steps", "2", *common])
-    p = run(
-        ["--total_steps", "6", "--resume", "--lr", "1e12", *common], check=False
-    )  # diverges right away
-    assert p.returncode != 0 and "non-finite loss" in p.stderr and "at step 4" in p.stderr, (
-        p.stderr
-    )  # steps 3 ok, 4 diverged
+    run_here(["--total_steps", "2", *common])
+    # diverges right away: steps 3 ok, 4 diverged
+    line = error_line(sft, ["--total_steps", "6", "--resume", "--lr", "1e12", *common])
+    assert "non-finite loss" in line and "at step 4" in line, line
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
 
 
@@ -229,31 +232,26 @@ def test_unwritable_out_dir(tmp_path):
 
 
 def test_rerun_into_a_finished_run_needs_resume_or_overwrite(tmp_path):
+    """In this process, run after run (runs.in_process: each releases the dir as a process's end
+    would); as a user's process meets a held dir: test_a_second_run_into_a_locked_out_dir_stops."""
     common = ["--out_dir", str(tmp_path), "--total_steps", "4", "--eval_every", "4", *SMALL]
-    run(common)
-    p = run(common, check=False)
-    assert (
-        p.returncode == 1
-        and "holds a run" in p.stderr
-        and "--resume" in p.stderr
-        and "--overwrite" in p.stderr
-    )
-    assert (
-        len(p.stderr.strip().splitlines()) == 1 and len(metrics(tmp_path)) == 5
-    )  # the old run is untouched
+    run_here(common)
+    line = error_line(sft, common)
+    assert "holds a run" in line and "--resume" in line and "--overwrite" in line, line
+    assert len(metrics(tmp_path)) == 5  # the old run is untouched
     for _ in range(3):  # the same command again and again: each replaces the last, never mixes
-        run([*common, "--overwrite", "--seed", "2"])
+        run_here([*common, "--overwrite", "--seed", "2"])
         assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4]
     for _ in range(3):  # and --resume of a finished run is a no-op that keeps its files
-        run([*common, "--resume"])
+        run_here([*common, "--resume"])
         assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4]
 
 
 def test_overwrite_leaves_nothing_of_the_old_run_even_when_the_new_one_stops(tmp_path):
     common = ["--out_dir", str(tmp_path), "--total_steps", "2", "--eval_every", "2", *SMALL]
-    run(common)
-    p = run([*common, "--overwrite", "--lr", "1e12"], check=False)  # stops at its NaN loss
-    assert p.returncode == 1 and "non-finite loss" in p.stderr, p.stderr
+    run_here(common)
+    line = error_line(sft, [*common, "--overwrite", "--lr", "1e12"])  # stops at its NaN loss
+    assert "non-finite loss" in line, line
     # a later stage pointed at this dir must not load the old run's model under the new args
     assert sorted(f.name for f in tmp_path.iterdir()) == [".lock", "args.json", "metrics.jsonl"]
 
@@ -282,12 +280,12 @@ def test_default_run_dirs_are_fresh_and_latest_links_the_last_finished(tmp_path)
 
 def test_stale_temp_dir_of_a_killed_save_is_cleaned_and_resume_continues(tmp_path):
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "3", *SMALL]
-    run(["--total_steps", "4", *common])
+    run_here(["--total_steps", "4", *common])
     # what a SIGKILL during the save of step 6 leaves: a half-written temp dir, never a step_ dir
     stale = tmp_path / "checkpoints" / ".tmp"
     shutil.copytree(tmp_path / "checkpoints" / "step_00000004", stale)
     (stale / "state.pt").write_bytes(b"truncated")
-    run(["--total_steps", "6", "--resume", *common])
+    run_here(["--total_steps", "6", "--resume", *common])
     assert not stale.exists() and sorted(os.listdir(tmp_path / "checkpoints")) == [
         "step_00000002",
         "step_00000004",
@@ -296,33 +294,27 @@ def test_stale_temp_dir_of_a_killed_save_is_cleaned_and_resume_continues(tmp_pat
     assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4, 5, 6]
 
 
-def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", "--keep_checkpoints", "3", *SMALL]
-    run(["--total_steps", "4", *common])
+    run_here(["--total_steps", "4", *common])
     weights = tmp_path / "checkpoints" / "step_00000004" / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
-    p = run(["--total_steps", "6", "--resume", *common])
-    assert (
-        "step_00000004 is damaged" in p.stdout
-        and "resumed from" in p.stdout
-        and "step_00000002" in p.stdout
-    )
+    capsys.readouterr()
+    run_here(["--total_steps", "6", "--resume", *common])
+    out = capsys.readouterr().out
+    assert "step_00000004 is damaged" in out and "resumed from" in out and "step_00000002" in out
     steps = [m["step"] for m in metrics(tmp_path)]
     assert steps == [0, 1, 2, 3, 4, 5, 6]  # the rows after step 2 were logged again
     for ckpt in (tmp_path / "checkpoints").iterdir():  # now every one damaged: a one-line error
         (ckpt / "state.pt").write_bytes(b"")
-    p = run(["--total_steps", "8", "--resume", *common], check=False)
-    assert (
-        p.returncode == 1
-        and "no complete checkpoint" in p.stderr
-        and len(p.stderr.strip().splitlines()) == 1
-    ), p.stderr
+    line = error_line(sft, ["--total_steps", "8", "--resume", *common])
+    assert "no complete checkpoint" in line, line
 
 
 def test_keep_checkpoints_0_keeps_the_newest_one(tmp_path):
     common = ["--out_dir", str(tmp_path), "--eval_every", "2", *SMALL[:4]]
-    run([*common, "--total_steps", "4"])
-    run([*common, "--total_steps", "6", "--resume", "--keep_checkpoints", "0"])
+    run_here([*common, "--total_steps", "4"])
+    run_here([*common, "--total_steps", "6", "--resume", "--keep_checkpoints", "0"])
     assert [c.name for c in (tmp_path / "checkpoints").iterdir()] == ["step_00000006"]
 
 
@@ -378,13 +370,13 @@ def test_data_without_preference_pairs_skips_preference_accuracy(tmp_path):
     sizes = dict(sft_train=16, sft_test=8, prompt_test=8)
     write_dataset(str(tmp_path / "d"), arithmetic.META, arithmetic.build(sizes=sizes))
     common = ["--total_steps", "2", "--eval_every", "2", "--data", str(tmp_path / "d"), *SMALL]
-    run(["--out_dir", str(tmp_path / "run"), *common])
+    run_here(["--out_dir", str(tmp_path / "run"), *common])
     m = metrics(tmp_path / "run")
     assert "eval/accuracy" in m[-1] and not any("eval/preference_accuracy" in r for r in m)
 
 
 def test_eval_size_0_means_no_eval(tmp_path):
-    run(["--out_dir", str(tmp_path), "--total_steps", "4", *SMALL[:4], "--eval_size", "0"])
+    run_here(["--out_dir", str(tmp_path), "--total_steps", "4", *SMALL[:4], "--eval_size", "0"])
     assert not any(k.startswith("eval/") for m in metrics(tmp_path) for k in m)
 
 
