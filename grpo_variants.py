@@ -359,7 +359,9 @@ def sampler_gap(old_logprobs, sampler_logprobs, ratio, mask, cap):
 def gap_metrics(old_logprobs, sampler_logprobs, mask, mode, cap):
     """The sampler-trainer gap of the step's batch over the loss's tokens mask (B, T), for the
     metrics: pi_old (the trainer's) against pi_sampler (generate's) per token, at the
-    correction's level, over every rank."""
+    correction's level, over every rank. None with the correction off."""
+    if mode == "off":
+        return {}
     _, ratio = sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap)
     gap, extremes = sampler_gap(old_logprobs, sampler_logprobs, ratio, mask, cap)
     sums = all_reduce_dict(gap)
@@ -374,6 +376,23 @@ def gap_metrics(old_logprobs, sampler_logprobs, mask, mode, cap):
         # no loss token at all: no ratio either
         "mismatch/ratio_min": 1 / inverse_max if inverse_max > 0 else 0.0,
     }
+
+
+def corrected_loss(pg_loss, old_logprobs, sampler_logprobs, mask, mode, cap):
+    """The surrogate pg_loss (B, T) weighed by the sampler-trainer correction; as it is with
+    the correction off."""
+    if mode == "off":
+        return pg_loss
+    is_weights, _ = sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap)
+    return pg_loss * is_weights
+
+
+def correction_mode(mode, bf16):
+    """--sampler_correction's mode for this run: auto is none in fp32, where sampler and trainer
+    give the same log-probs, and TIS in bf16."""
+    if mode == "auto":
+        return "token_truncate" if bf16 else "none"
+    return mode
 
 
 def grpo_loss(log_ratio, advantages, mask, clip_low, clip_high, dual_clip=None):
@@ -523,6 +542,22 @@ def dynamic_sampling(rollout, num_prompts, group_size, max_rounds, rank, world_s
     batch["mask"] *= has_variance[order].repeat_interleave(group_size)[:, None]
     sampled = {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]}
     return batch, sampled
+
+
+def sample_step(rollout_of, step, args, rank, world_size):
+    """Steps 4.1-4.4 (rollout_of(step, round)): the step's batch, and every response sampled;
+    DAPO's dynamic sampling repeats them and keeps the groups with reward variance."""
+    if not args.dynamic_sampling:
+        batch = rollout_of(step, 0)
+        return batch, batch
+    return dynamic_sampling(
+        functools.partial(rollout_of, step),
+        num_prompts=args.num_prompts_per_step,
+        group_size=args.num_samples_per_prompt,
+        max_rounds=args.max_sampling_rounds,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 @torch.no_grad()
@@ -767,6 +802,31 @@ def check_reference(args, ref_policy, policy):
     ref_shapes = [p.shape for p in ref_policy.parameters()]
     if ref_shapes != [p.shape for p in policy.parameters()]:
         raise RunError("--ref_sync_every mixes pi into pi_ref: pass a --ref_model of its size")
+
+
+def load_frozen(args, meta, policy, shard_frozen):
+    """The frozen models, each None unless asked for: the reference (for beta > 0 or
+    --ref_model), the reward model and the teacher."""
+    ref_policy = None
+    reward_model = None
+    teacher = None
+    if args.beta > 0 or args.ref_model:
+        # `--model tiny`: the policy's random init again
+        torch.manual_seed(args.seed)
+        ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=shard_frozen)
+        check_reference(args, ref_policy, policy)
+    if args.reward_model:
+        reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=shard_frozen)
+    if args.teacher_model:
+        teacher = gpt2.load(args.teacher_model, meta, shard=shard_frozen)
+    return ref_policy, reward_model, teacher
+
+
+def frozen_logprobs(step_logprobs, model, query, response):
+    """A frozen model's log-probs of the step's responses (step_logprobs), or None without it."""
+    if model is None:
+        return None
+    return step_logprobs(model, query, response)
 
 
 def all_reduce(x):
@@ -1060,11 +1120,7 @@ def main(args: Args):
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
     # when bf16 is off, autocast is a no-op
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    # The sampler-trainer correction: auto is none in fp32, where both give the same
-    # log-probs, and TIS in bf16.
-    correction = args.sampler_correction
-    if correction == "auto":
-        correction = "token_truncate" if bf16 else "none"
+    correction = correction_mode(args.sampler_correction, bf16)
     torch.manual_seed(args.seed)
 
     # 2. data, and its reward: the verifier, a reward model, reward functions, a teacher
@@ -1084,18 +1140,7 @@ def main(args: Args):
     shard_frozen = functools.partial(shard, device=device, bf16=bf16, frozen=True)
     policy = gpt2.load(args.model, meta, shard=shard_trained)
     data.check_context(train, policy.config.block_size, args.response_length)
-    ref_policy = None
-    reward_model = None
-    teacher = None
-    if args.beta > 0 or args.ref_model:
-        # `--model tiny`: the policy's random init again
-        torch.manual_seed(args.seed)
-        ref_policy = gpt2.load(args.ref_model or args.model, meta, shard=shard_frozen)
-        check_reference(args, ref_policy, policy)
-    if args.reward_model:
-        reward_model = gpt2.load(args.reward_model, meta, head="saved", shard=shard_frozen)
-    if args.teacher_model:
-        teacher = gpt2.load(args.teacher_model, meta, shard=shard_frozen)
+    ref_policy, reward_model, teacher = load_frozen(args, meta, policy, shard_frozen)
     policy.activation_checkpointing = args.activation_checkpointing
     for model in (policy, ref_policy, reward_model, teacher):
         if model is not None:
@@ -1161,20 +1206,8 @@ def main(args: Args):
         eval_now = done % args.eval_every == 0 or done == num_steps
         log_now = done % args.log_every == 0 or step == start or eval_now
 
-        # 4.1-4.4 prompts, generate, score, RSO; DAPO's dynamic sampling repeats them and
-        # keeps the groups with reward variance
-        if args.dynamic_sampling:
-            batch, sampled = dynamic_sampling(
-                functools.partial(rollout_of, step),
-                num_prompts=num_prompts,
-                group_size=G,
-                max_rounds=args.max_sampling_rounds,
-                rank=rank,
-                world_size=world_size,
-            )
-        else:
-            batch = rollout_of(step, 0)
-            sampled = batch
+        # 4.1-4.4 prompts, generate, score, RSO: the batch, and every response sampled
+        batch, sampled = sample_step(rollout_of, step, args, rank, world_size)
         query = batch["query"]
         response = batch["response"]
         # the loss's tokens; and every response token, stop included
@@ -1191,12 +1224,8 @@ def main(args: Args):
             old_logprobs = step_logprobs(
                 fwd_policy, query, response, top_k=args.top_k, top_p=args.top_p
             )
-        ref_logprobs = None
-        if ref_policy is not None:
-            ref_logprobs = step_logprobs(ref_policy, query, response)
-        teacher_logprobs = None
-        if teacher is not None:
-            teacher_logprobs = step_logprobs(teacher, query, response)
+        ref_logprobs = frozen_logprobs(step_logprobs, ref_policy, query, response)
+        teacher_logprobs = frozen_logprobs(step_logprobs, teacher, query, response)
         if args.kl_in_reward and ref_logprobs is not None:
             scores = kl_in_reward(scores, old_logprobs, ref_logprobs, response_mask, args.beta)
 
@@ -1250,15 +1279,14 @@ def main(args: Args):
                 # sampler, plus beta x the KL, minus the entropy bonus
                 is_log_ratio = importance_log_ratio(log_ratio, mb_mask, args.importance_level)
                 pg_loss, ratio, clipped = surrogate(is_log_ratio, advantages[idx], mb_mask)
-                if correction != "off":
-                    is_weights, _ = sampler_correction(
-                        old_logprobs=old,
-                        sampler_logprobs=batch["sampler_logprobs"][idx],
-                        mask=mb_mask,
-                        mode=correction,
-                        cap=args.sampler_cap,
-                    )
-                    pg_loss = pg_loss * is_weights
+                pg_loss = corrected_loss(
+                    pg_loss,
+                    old_logprobs=old,
+                    sampler_logprobs=batch["sampler_logprobs"][idx],
+                    mask=mb_mask,
+                    mode=correction,
+                    cap=args.sampler_cap,
+                )
                 loss = pg_loss
                 kl = None
                 if ref_logprobs is not None and kl_in_loss:
@@ -1308,12 +1336,9 @@ def main(args: Args):
             local_means |= variant_means(sampled, reward_fns, args, n_sampled)
             local_means |= kl_means(old_logprobs, ref_logprobs, teacher_logprobs, response_mask)
             metrics = all_reduce_dict(local_means)
-            if correction != "off":
-                sampler_logprobs = batch["sampler_logprobs"]
-                gap = gap_metrics(
-                    old_logprobs, sampler_logprobs, mask, correction, args.sampler_cap
-                )
-                metrics |= gap
+            metrics |= gap_metrics(
+                old_logprobs, batch["sampler_logprobs"], mask, correction, args.sampler_cap
+            )
             # Var[ratio] = E[ratio^2] - E[ratio]^2, which rounding can take a hair below 0
             ratio_squared = metrics.pop("ratio_squared")
             metrics["val/ratio_var"] = max(0.0, ratio_squared - metrics["val/ratio"] ** 2)

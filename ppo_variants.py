@@ -260,10 +260,28 @@ def sampler_gap(old_logprobs, sampler_logprobs, ratio, mask, cap):
     return sums, torch.stack([ratio_max, inverse_max])
 
 
+def correction_mode(mode, bf16):
+    """--sampler_correction's mode for this run: auto is none in fp32, where sampler and trainer
+    give the same log-probs, and TIS in bf16."""
+    if mode == "auto":
+        return "token_truncate" if bf16 else "none"
+    return mode
+
+
+def correction_weights(old_logprobs, sampler_logprobs, mask, mode, cap):
+    """The sampler-trainer correction's weights (B, T) of the update's batch; None with the
+    correction off."""
+    if mode == "off":
+        return None
+    return sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap)[0]
+
+
 def gap_metrics(old_logprobs, sampler_logprobs, mask, mode, cap):
     """The sampler-trainer gap of the step's batch over the loss's tokens mask (B, T), for the
     metrics: pi_old (the trainer's) against pi_sampler (generate's) per token, at the
-    correction's level, over every rank."""
+    correction's level, over every rank. None with the correction off."""
+    if mode == "off":
+        return {}
     _, ratio = sampler_correction(old_logprobs, sampler_logprobs, mask, mode, cap)
     gap, extremes = sampler_gap(old_logprobs, sampler_logprobs, ratio, mask, cap)
     sums = all_reduce_dict(gap)
@@ -567,6 +585,19 @@ def check_finite(totals, done, out_dir):
         )
 
 
+def next_entropy_coefs(entropy_coef, entropy_bonus, totals, args):
+    """Skywork-OR1's controller with --entropy_target: the next update's coefficient and bonus,
+    from this update's token mean entropy; unchanged without a target."""
+    if args.entropy_target is None:
+        return entropy_coef, entropy_bonus
+    return adaptive_entropy_coef(
+        coef=entropy_coef,
+        entropy=totals["entropy"] / totals["tokens"],
+        target=args.entropy_target,
+        delta=args.entropy_coef_delta,
+    )
+
+
 def main(args: Args):
     # 1. sizes, distributed setup, seeds
     check_args(args)
@@ -582,11 +613,7 @@ def main(args: Args):
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and on_cuda)
     # With bf16 off, the autocast context is a no-op.
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    # The sampler-trainer correction: auto is none in fp32, where both give the same
-    # log-probs, and TIS in bf16.
-    correction = args.sampler_correction
-    if correction == "auto":
-        correction = "token_truncate" if bf16 else "none"
+    correction = correction_mode(args.sampler_correction, bf16)
     torch.manual_seed(args.seed)
 
     # 2. data
@@ -638,14 +665,12 @@ def main(args: Args):
     first_bonus = args.entropy_coef if args.entropy_target is None else 0.0
     entropy_bonus = state.get("entropy_bonus", first_bonus)
     entropy_in_loss = args.entropy_coef > 0 or args.entropy_target is not None
-    temperature = args.temperature
-    response_length = args.response_length
     # The policy's log-probs (pi_old's and pi_theta's) on the distribution the sampler draws
     # from: top-k and top-p's tokens, renormalised (gpt2.logprobs: trl#6789).
     policy_logprobs = functools.partial(
         gpt2.logprobs,
         fwd_policy,
-        temperature=temperature,
+        temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
     )
@@ -675,20 +700,19 @@ def main(args: Args):
         # 4.1 generate; the uniforms come from (seed, update): the same samples on 1 or
         # N ranks
         rng = np.random.default_rng([args.seed, update, 2])
-        noise = rng.random((args.batch_size, response_length))
+        noise = rng.random((args.batch_size, args.response_length))
         noise = torch.from_numpy(noise[rank_rows]).float().to(device)
         responses = []
         sampler_logprobs = []
         with ctx:
             for i in micro_idx:
-                query = b_query[i]
                 rollout = gpt2.generate(
                     policy,
-                    query,
+                    b_query[i],
                     pad_token_id=pad,
-                    max_new_tokens=response_length,
+                    max_new_tokens=args.response_length,
                     eos_token_id=eos,
-                    temperature=temperature,
+                    temperature=args.temperature,
                     noise=noise[i],
                     top_k=args.top_k,
                     top_p=args.top_p,
@@ -719,7 +743,7 @@ def main(args: Args):
                 logprobs = policy_logprobs(query, response)[0]
                 # The reference on its full tempered distribution: a token of the policy's
                 # nucleus may lie outside the reference's (-inf there); TRL and verl alike.
-                ref_logprobs = gpt2.logprobs(ref_policy, query, response, temperature)[0]
+                ref_logprobs = gpt2.logprobs(ref_policy, query, response, args.temperature)[0]
                 values = forward_values(fwd_value, query, response, pad, eos)
                 scores = gpt2.get_reward(reward_model, query, response, pad, eos)
                 logprobs_parts.append(logprobs)
@@ -732,14 +756,13 @@ def main(args: Args):
         b_scores = torch.cat(scores_parts)
         b_scores = penalised_scores(b_scores, b_response, eos, args.penalty_reward_value)
         # the sampler-trainer gap: pi_old (the training forward) / pi_sampler (generate's)
-        if correction != "off":
-            b_is_weights, _ = sampler_correction(
-                old_logprobs=b_logprobs,
-                sampler_logprobs=b_sampler_logprobs,
-                mask=b_mask,
-                mode=correction,
-                cap=args.sampler_cap,
-            )
+        b_is_weights = correction_weights(
+            old_logprobs=b_logprobs,
+            sampler_logprobs=b_sampler_logprobs,
+            mask=b_mask,
+            mode=correction,
+            cap=args.sampler_cap,
+        )
 
         # 4.4 per-token rewards: the KL penalty at every token, the score at the last one
         rewards, non_score_reward, kl = per_token_rewards(
@@ -796,7 +819,7 @@ def main(args: Args):
                         cliprange=args.cliprange,
                         dual_clip=args.dual_clip,
                     )
-                    if correction != "off":
+                    if b_is_weights is not None:
                         pg_losses = pg_losses * b_is_weights[idx]
                     vf_losses, vf_clipped = value_loss(
                         vpred=vpred,
@@ -814,11 +837,10 @@ def main(args: Args):
                     (loss * world_size / n_tokens).backward()
 
                     with torch.no_grad():
-                        approxkl = 0.5 * (new_logprobs - b_logprobs[idx]) ** 2
                         stats = {
                             "pg_loss": pg_losses,
                             "vf_loss": vf_losses,
-                            "approxkl": approxkl,
+                            "approxkl": 0.5 * (new_logprobs - b_logprobs[idx]) ** 2,
                             "pg_clipfrac": pg_clipped,
                             "vf_clipfrac": vf_clipped,
                             "ratio": ratio,
@@ -845,19 +867,11 @@ def main(args: Args):
         totals = all_reduce_dict(sums | token_sums)
         check_finite(totals, done, args.out_dir)
         metrics = update_metrics(totals, args.batch_size, kl_coef, lr)
-        if correction != "off":
-            gap = gap_metrics(b_logprobs, b_sampler_logprobs, b_mask, correction, args.sampler_cap)
-            metrics |= gap
+        metrics |= gap_metrics(b_logprobs, b_sampler_logprobs, b_mask, correction, args.sampler_cap)
         if entropy_in_loss:
             metrics["policy/entropy_coef"] = entropy_bonus
-        if args.entropy_target is not None:
-            # The next update's coefficient, from this update's entropy.
-            entropy_coef, entropy_bonus = adaptive_entropy_coef(
-                coef=entropy_coef,
-                entropy=totals["entropy"] / totals["tokens"],
-                target=args.entropy_target,
-                delta=args.entropy_coef_delta,
-            )
+        # the next update's coefficients, from this update's entropy
+        entropy_coef, entropy_bonus = next_entropy_coefs(entropy_coef, entropy_bonus, totals, args)
         if args.adaptive_kl:
             kl_coef = adaptive_kl_coef(
                 kl_coef=kl_coef,

@@ -78,3 +78,14 @@ def small_data(tmp_path_factory):
         data.write_dataset(str(out / "arith"), arithmetic.META, arithmetic.build(sizes=sizes))
 
     return ["--data", str(made_once(tmp_path_factory, "data", make) / "arith")]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`--dist loadgroup`): a file's tests run on one worker, so that its
+    module fixtures are made once, but each slow test (the 8-rank runs) is a unit of its own, and
+    they go first, so that neither worker is left with them at the end."""
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if slow else item.path.name))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -5,7 +5,7 @@
 - a checkpoint written at 4 ranks (the 2 nodes) resumes at 1 rank, and one written at 1 rank
   resumes at 2, each ending at the uninterrupted weights;
 - a SIGTERM sent to one rank only makes every rank save one checkpoint, at the same step, and stop.
-These are the suite's slowest tests (8 processes on a few cores): they run last."""
+These are the suite's slowest tests (8 processes on a few cores): they run first (tests/conftest.py)."""
 
 import os
 import shutil
@@ -25,7 +25,7 @@ from failed_run import why
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-pytestmark = pytest.mark.slow  # and last: pytest runs the files in alphabetical order
+pytestmark = pytest.mark.slow
 
 # per script: the flags of a 3-step run whose batches divide by 1, 2, 4 and 8 ranks
 FLAGS = {
