@@ -78,15 +78,3 @@ def small_data(tmp_path_factory):
         data.write_dataset(str(out / "arith"), arithmetic.META, arithmetic.build(sizes=sizes))
 
     return ["--data", str(made_once(tmp_path_factory, "data", make) / "arith")]
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`--dist loadgroup`): a file's tests run on one worker, so that its
-    module fixtures are made once. The slow tests (the 8-rank runs) go first, all on one worker
-    while the other runs the rest: two 8-rank runs at once would share 2 cores among 16 ranks,
-    and a worker left with them at the end would run them alone."""
-    for item in items:
-        slow = item.get_closest_marker("slow") is not None
-        item.add_marker(pytest.mark.xdist_group("slow" if slow else item.path.name))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -5,7 +5,8 @@
 - a checkpoint written at 4 ranks (the 2 nodes) resumes at 1 rank, and one written at 1 rank
   resumes at 2, each ending at the uninterrupted weights;
 - a SIGTERM sent to one rank only makes every rank save one checkpoint, at the same step, and stop.
-These are the suite's slowest tests (8 processes on a few cores): they run first (tests/conftest.py)."""
+These are the suite's slowest tests (8 processes on a few cores): README's test command leaves them
+out (-m "not slow"), and .ci/run runs them after it (docs/faults.md, "The tests")."""
 
 import os
 import shutil
