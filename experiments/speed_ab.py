@@ -3,7 +3,6 @@ median over a short run's logged steps, so start-up and evals are left out), the
 within each turn, then the median ratio and its range over the turns.
 
     OMP_NUM_THREADS=1 python experiments/speed_ab.py --old d5ba159 --turns 5
-    OMP_NUM_THREADS=1 python experiments/speed_ab.py --old d5ba159 --scripts grpo --new_script grpo
 """
 
 import json
@@ -17,9 +16,10 @@ from dataclasses import dataclass
 import torch
 import tyro
 
-import gpt2
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import gpt2  # noqa: E402
+
 # per script: a run of a few seconds at its default batch shape, and the metric it logs
 RUNS = {
     "sft": ("--model tiny --total_steps 40", "perf/tokens_per_sec"),
