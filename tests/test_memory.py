@@ -65,17 +65,25 @@ def peak_logits_tensors(path):
 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="needs glibc's mallopt")
 def test_logprobs_keeps_one_logits_tensor():
-    peak = {}
-    for path in ("plain", "chunked"):
-        cmd = [sys.executable, __file__, "peak", path]
-        out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        peak[path] = float(out.stdout.split()[-1])
+    peak = {path: peak_in_a_process(path) for path in ("plain", "chunked")}
     assert peak["plain"] > 3  # the measure sees the plain path's copies
+    # Peak RSS also counts pages besides tensors, which only add, and vary with the machine's load
+    # (1.65 once, and 3.0 once, inside the whole suite): the least of up to 3 processes.
+    for _ in range(2):
+        if peak["chunked"] < 1.9:
+            break
+        peak["chunked"] = min(peak["chunked"], peak_in_a_process("chunked"))
     # the logits and small chunks (about 1.1 alone); a second (B, T, V) tensor would add 1, so 2.1
-    # or more. The margin is for the pages besides tensors that peak RSS also counts, which vary
-    # with what ran before and the machine's load: 1.65 was seen once inside the whole suite.
+    # or more in every process
     assert peak["chunked"] < 1.9, peak
+
+
+def peak_in_a_process(path):
+    """peak_logits_tensors(path) in a fresh process."""
+    cmd = [sys.executable, __file__, "peak", path]
+    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return float(out.stdout.split()[-1])
 
 
 class LargeTensors(TorchDispatchMode):
